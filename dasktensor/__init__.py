@@ -1,0 +1,42 @@
+"""dasktensor: run PyTensor graphs on Dask.
+
+Independent expensive parts of a PyTensor graph (remote model calls, annotated
+subgraphs, large matrix work) run in parallel as Dask tasks, locally or on a distributed
+cluster; everything cheap is fused into a few stages compiled by PyTensor's own backend.
+Importing dasktensor registers the ``"DASK"`` mode with PyTensor.
+"""
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+from dasktensor import _config  # noqa: F401  (loads dasktensor.yaml into dask.config)
+from dasktensor._execute import NoWorkerWithResourcesError as NoWorkerWithResourcesError
+from dasktensor._function import DaskFunction as DaskFunction
+from dasktensor._function import function as function
+from dasktensor._linker import DASK as DASK
+from dasktensor._linker import DaskLinker as DaskLinker
+from dasktensor._linker import dask_mode as dask_mode
+from dasktensor._plan import Plan as Plan
+from dasktensor._plan import Task as Task
+from dasktensor._plan import is_heavy as is_heavy
+from dasktensor._plan import mark_heavy as mark_heavy
+from dasktensor._plan import plan_graph as plan_graph
+
+try:
+    __version__ = _version("dasktensor")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "DASK",
+    "DaskFunction",
+    "DaskLinker",
+    "NoWorkerWithResourcesError",
+    "Plan",
+    "Task",
+    "dask_mode",
+    "function",
+    "is_heavy",
+    "mark_heavy",
+    "plan_graph",
+]

@@ -1,0 +1,319 @@
+"""Execution: run a plan's task graph on a Dask scheduler, or on the caller and a cluster.
+
+Two paths, chosen per call from the function's ``scheduler`` or Dask's own resolution
+(``scheduler=`` argument, then ``dask.config`` ``scheduler``, then the default
+distributed ``Client``):
+
+* **A local scheduler** (the threaded one by default, or any ``dask.typing``
+  scheduler-get callable such as ``dask.get``): the whole task graph goes to it.
+* **A distributed Client**: cheap stages whose inputs are on the caller run on the caller;
+  heavy tasks (and cheap stages between two of them) are submitted to the cluster with
+  their annotations (resources, retries, priority); their results are gathered once, and
+  the cheap stages after them run on the caller.  One evaluation costs one round of
+  concurrent remote work, not one scheduler round trip per stage.
+
+Every call uses fresh task keys (``<name>-<task>-<call token>``): keys reused across calls
+can return the previous call's results.
+
+Nothing here holds a live ``Client`` across pickling or ``fork``: a function keeps the
+scheduler's address and reconnects lazily in each process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import dask
+import dask.threaded
+from dask.base import get_scheduler
+
+from dasktensor import _config
+from dasktensor._plan import Plan
+from dasktensor._translate import TaskGraph, _run
+
+# ----------------------------------------------------------------------------- fork safety
+
+_inherited_addresses: list[str] = []
+_clients: dict[tuple[int, str], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:  # pragma: no cover - runs in forked children
+    """Make Dask usable in a forked child (``pm.sample(cores=2)`` forks on Linux).
+
+    Dask's threaded scheduler keeps module-level thread pools whose threads do not exist in
+    the child: without a reset the child hangs on its first graph.  Distributed clients
+    inherited from the parent have lost their event-loop thread: the child forgets them
+    and reconnects to the same scheduler on first use.
+    """
+    global _clients_lock
+    dask.threaded.default_pool = None
+    dask.threaded.pools.clear()
+    dask.threaded.pools_lock = threading.Lock()
+    _clients_lock = threading.Lock()
+    _clients.clear()
+    try:
+        from distributed import client as dclient
+    except ImportError:
+        return
+    for c in list(dclient._global_clients.values()):
+        address = getattr(c, "scheduler_address", None) or getattr(
+            getattr(c, "scheduler", None), "address", None
+        )
+        if address:
+            _inherited_addresses.append(address)
+    dclient._global_clients.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def client_for_address(address: str, timeout: float | None = None):
+    """This process's own Client to ``address`` (one per process, created on first use)."""
+    from distributed import Client
+
+    key = (os.getpid(), address)
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None or client.status not in ("running", "connecting", "newly-created"):
+            if timeout is None:
+                timeout = _config.seconds("connect-timeout")
+            client = Client(address, set_as_default=False, timeout=timeout)
+            _clients[key] = client
+        return client
+
+
+def _is_client(obj) -> bool:
+    return type(obj).__name__ == "Client" and hasattr(obj, "submit") and hasattr(obj, "gather")
+
+
+class SchedulerRef:
+    """Which scheduler a compiled function uses, kept in a form that pickles.
+
+    ``None`` follows Dask's resolution at call time.  A ``Client`` is kept, and pickles as
+    its address; a string is a named local scheduler (``"threads"``, ``"sync"``) or a
+    scheduler address; a callable is a scheduler ``get`` function.
+    """
+
+    def __init__(self, scheduler=None):
+        self.client = None
+        self.address: str | None = None
+        self.get: Callable | str | None = None
+        if scheduler is None:
+            pass
+        elif _is_client(scheduler):
+            self.client = scheduler
+            self.address = scheduler.scheduler.address
+        elif isinstance(scheduler, str) and "://" in scheduler:
+            self.address = scheduler
+        elif isinstance(scheduler, str) or callable(scheduler):
+            self.get = scheduler
+        else:
+            raise TypeError(
+                "scheduler expected None, a distributed Client, a scheduler address "
+                "('tcp://host:port'), a scheduler name ('threads', 'sync') or a Dask "
+                f"scheduler get function, got {scheduler!r}"
+            )
+
+    def __getstate__(self):
+        address = self.address
+        if address is None and self.get is None:
+            # no explicit choice: remember the default client the caller uses now, so the
+            # function keeps using that cluster in another process
+            client = self._default_client()
+            if client is not None:
+                address = client.scheduler.address
+        return {"address": address, "get": self.get}
+
+    def __setstate__(self, state):
+        self.client = None
+        self.address = state["address"]
+        self.get = state["get"]
+
+    @staticmethod
+    def _default_client():
+        try:
+            from distributed import default_client
+
+            return default_client()
+        except (ImportError, ValueError):
+            return None
+
+    def resolve(self):
+        """Return ``("client", Client)`` or ``("get", scheduler_get_callable)``."""
+        if self.client is not None and self.client.status == "running":
+            return "client", self.client
+        if self.address is not None:
+            return "client", client_for_address(self.address)
+        get = get_scheduler(scheduler=self.get)
+        if get is not None and _is_client(getattr(get, "__self__", None)):
+            return "client", get.__self__
+        if get is None and _inherited_addresses:
+            return "client", client_for_address(_inherited_addresses[-1])
+        return "get", get or dask.threaded.get
+
+
+# ----------------------------------------------------------------------------- execution
+
+
+class PlanExecutor(TaskGraph):
+    """Runs a :class:`Plan` on the scheduler its function was given (see module docstring)."""
+
+    def __init__(self, plan: Plan, scheduler: SchedulerRef):
+        super().__init__(plan)
+        self.scheduler = scheduler
+        tasks = plan.tasks
+        cluster = [t.where == "cluster" for t in tasks]
+        feeds_cluster = [False] * len(tasks)  # caller stages whose outputs a cluster task reads
+        for t in reversed(tasks):
+            if cluster[t.index] or feeds_cluster[t.index]:
+                for d in t.deps:
+                    feeds_cluster[d] = True
+        after_cluster = [False] * len(tasks)  # tasks that wait for cluster results
+        for t in tasks:
+            after_cluster[t.index] = any(cluster[d] or after_cluster[d] for d in t.deps)
+        self._cluster = cluster
+        self._feeds_cluster = feeds_cluster
+        self._after_cluster = after_cluster
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def __call__(self, *values):
+        kind, scheduler = self.scheduler.resolve()
+        if kind == "client":
+            return self._call_distributed(scheduler, values)
+        dsk, keys = self.graph(values)
+        needed = sorted({src[1] for src in self.output_sources if src[0] == "task"})
+        got = scheduler(dsk, [keys[i] for i in needed])
+        results: list = [None] * len(keys)
+        for i, r in zip(needed, got):
+            results[i] = r
+        return self._outputs(values, results)
+
+    def _call_distributed(self, client, values):
+        tasks = self.plan.tasks
+        token = uuid.uuid4().hex
+        keys = self.keys(token)
+        results: list = [None] * len(tasks)
+        _check_resources(client, [tasks[i].annotations for i in range(len(tasks))
+                                  if self._cluster[i]])
+
+        def run_here(i):
+            picks, deps = self._args(i, values, results)
+            results[i] = _run(self.runners[i], picks, *deps)
+
+        # 1. cheap stages feeding the cluster, on the caller
+        for t in tasks:
+            if not self._cluster[t.index] and self._feeds_cluster[t.index]:
+                run_here(t.index)
+        # 2. cluster tasks, submitted at once (one batch of messages)
+        futures = {}
+        for t in tasks:
+            if self._cluster[t.index]:
+                picks, deps = self._args(t.index, values, results)
+                ann = t.annotations
+                fut = client.submit(
+                    _run,
+                    self.runners[t.index],
+                    picks,
+                    *deps,
+                    key=keys[t.index],
+                    pure=False,
+                    resources=ann.get("resources"),
+                    retries=ann.get("retries"),
+                    priority=ann.get("priority", 0),
+                    workers=ann.get("workers"),
+                    allow_other_workers=ann.get("allow_other_workers", False),
+                )
+                futures[t.index] = fut
+                results[t.index] = fut
+        # 3. caller stages independent of the cluster, while it works
+        for t in tasks:
+            i = t.index
+            if not self._cluster[i] and not self._feeds_cluster[i] and not self._after_cluster[i]:
+                run_here(i)
+        # 4. gather what the caller needs, once
+        wanted = set()
+        for t in tasks:
+            if not self._cluster[t.index] and self._after_cluster[t.index]:
+                wanted.update(d for d in t.deps if self._cluster[d])
+        wanted.update(s[1] for s in self.output_sources if s[0] == "task" and self._cluster[s[1]])
+        wanted = sorted(wanted)
+        if wanted:
+            gathered = client.gather([futures[i] for i in wanted])
+            for i, value in zip(wanted, gathered):
+                results[i] = value
+        # 5. cheap stages after the cluster work, on the caller
+        for t in tasks:
+            if not self._cluster[t.index] and self._after_cluster[t.index]:
+                run_here(t.index)
+        return self._outputs(values, results)
+
+
+# ----------------------------------------------------------------------------- resources
+
+
+class NoWorkerWithResourcesError(RuntimeError):
+    """No worker of the cluster offers the resources that a task asks for."""
+
+
+_resources_seen: dict[tuple[int, str], tuple[float, list[dict]]] = {}
+_RESOURCE_CACHE_SECONDS = 2.0
+
+
+def _worker_resources(client, refresh: bool = False) -> list[dict]:
+    key = (id(client), client.scheduler.address)
+    now = time.monotonic()
+    cached = _resources_seen.get(key)
+    if cached is not None and not refresh and now - cached[0] < _RESOURCE_CACHE_SECONDS:
+        return cached[1]
+    try:
+        info = client.scheduler_info(n_workers=-1)
+    except TypeError:  # distributed before n_workers=
+        info = client.scheduler_info()
+    found = [dict(w.get("resources") or {}) for w in info.get("workers", {}).values()]
+    _resources_seen[key] = (now, found)
+    return found
+
+
+def _check_resources(client, annotations: Sequence[dict]) -> None:
+    """Fail with a clear error when no worker offers a task's resources (after a timeout).
+
+    A task whose resources no worker offers would otherwise wait forever.
+    """
+    wanted = [a["resources"] for a in annotations if a.get("resources")]
+    if not wanted:
+        return
+
+    def missing(workers):
+        return [
+            r
+            for r in wanted
+            if not any(all(w.get(k, 0) >= v for k, v in r.items()) for w in workers)
+        ]
+
+    if not missing(_worker_resources(client)):
+        return
+    timeout = _config.seconds("placement.resource-timeout")
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = _worker_resources(client, refresh=True)
+        lacking = missing(workers)
+        if not lacking:
+            return
+        if time.monotonic() >= deadline:
+            offered = [w for w in workers if w] or "no resources at all"
+            raise NoWorkerWithResourcesError(
+                f"No worker of the cluster at {client.scheduler.address} offers the "
+                f"resources {lacking[0]} that a task asks for (waited {timeout:g} s; "
+                f"{len(workers)} worker(s), offering {offered}). Start a worker with "
+                "them, e.g. `dask worker ADDRESS --resources \"GPU=1\"`, or "
+                "LocalCluster(resources={...}); the wait is set by "
+                "dask.config 'dasktensor.placement.resource-timeout'."
+            )
+        time.sleep(0.1)

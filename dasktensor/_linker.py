@@ -1,0 +1,171 @@
+"""The DASK linker and mode.
+
+PyTensor compiles a function by rewriting its graph and handing it to a linker, which
+returns a thunk that PyTensor's ``Function`` calls with no arguments after filling the
+input storage.  ``DaskLinker`` plans the rewritten graph (``_plan``) and then:
+
+* for a single-stage plan, hands the graph to the line's own backend linker (C VM on
+  PyTensor 2.38, Numba on 3.x): the function is exactly as fast as PyTensor's default mode;
+* otherwise returns a thunk that runs the plan through ``_execute.PlanExecutor``.
+
+``DaskLinker`` subclasses the backend linker's class, so that rewrites which ask which
+backend they target (inner graphs of ``OpFromGraph`` and ``Scan``, elemwise fusion) prepare
+the graph for the backend that compiles the stages.  The linker keeps no live Client and no
+compiled code across pickling: ``Function`` re-links after unpickling.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from pytensor.compile.mode import Mode, register_mode
+from pytensor.link.basic import Container
+
+from dasktensor import _compat
+from dasktensor._execute import PlanExecutor, SchedulerRef
+from dasktensor._plan import Plan, plan_graph
+
+_BACKEND_LINKER = _compat.backend_mode().linker
+
+
+class DaskLinker(type(_BACKEND_LINKER)):
+    """Linker that plans a graph into coarse tasks and runs them on Dask.
+
+    Parameters
+    ----------
+    scheduler : Client, str or callable, optional
+        Where multi-task plans run: a distributed ``Client``, a scheduler address, a
+        local scheduler name (``"threads"``, ``"sync"``) or a Dask scheduler ``get``
+        function.  By default Dask's own choice at call time (the default ``Client`` if
+        there is one, else the threaded scheduler).
+    heavy_flops : float, optional
+        Threshold of the planner's cost rule (``dasktensor.planner.heavy-flops``).
+
+    Examples
+    --------
+    >>> import pytensor, pytensor.tensor as pt
+    >>> from pytensor.compile.mode import Mode
+    >>> import dasktensor as dt
+    >>> x = pt.vector("x")
+    >>> f = pytensor.function([x], pt.exp(x).sum(), mode=Mode(linker=dt.DaskLinker()))
+    >>> float(f([0.0, 0.0]))
+    2.0
+    """
+
+    required_rewrites = _BACKEND_LINKER.required_rewrites
+    incompatible_rewrites = _BACKEND_LINKER.incompatible_rewrites
+
+    def __init__(self, scheduler=None, heavy_flops: float | None = None, **_ignored):
+        # the backend linker's own settings do not apply: stages use a fresh backend linker
+        super().__init__()
+        self.scheduler = scheduler if isinstance(scheduler, SchedulerRef) else SchedulerRef(
+            scheduler
+        )
+        self.heavy_flops = heavy_flops
+        self.fgraph = None
+        self.plan: Plan | None = None
+        self.executor: PlanExecutor | None = None
+        self._updated_vars = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.update(fgraph=None, plan=None, executor=None, _updated_vars=None)
+        return state
+
+    def clone(self, allow_gc=None):
+        new = DaskLinker(self.scheduler, self.heavy_flops)
+        return new
+
+    def accept(self, fgraph, no_recycling=None, profile=None):
+        if self.fgraph is not None and self.fgraph is not fgraph:
+            return self.clone().accept(fgraph, no_recycling, profile)
+        self.fgraph = fgraph
+        self.no_recycling = list(no_recycling or [])
+        self.profile = profile
+        return self
+
+    def accept_var_updates(self, updated_vars):
+        self._updated_vars = updated_vars
+
+    def make_thunk(self, input_storage=None, output_storage=None, storage_map=None, **kwargs):
+        fgraph = self.fgraph
+        self.plan = plan_graph(fgraph, heavy_flops=self.heavy_flops)
+        if self.plan.single_stage:
+            return self._backend_thunk(input_storage, output_storage, storage_map, **kwargs)
+        self.executor = executor = PlanExecutor(self.plan, self.scheduler)
+
+        if input_storage is None:
+            input_storage = [[None] for _ in fgraph.inputs]
+        if output_storage is None:
+            output_storage = [[None] for _ in fgraph.outputs]
+        for var, storage in zip(fgraph.inputs, input_storage):
+            if storage[0] is None and hasattr(var, "data"):  # constants
+                storage[0] = var.data
+
+        def thunk(inputs=tuple(input_storage), outputs=tuple(output_storage)):
+            values = executor(*[s[0] for s in inputs])
+            for s, v in zip(outputs, values):
+                s[0] = v
+            return values
+
+        thunk.allow_gc = True
+        thunk.need_update_inputs = True
+        thunk.storage_map = {
+            **dict(zip(fgraph.inputs, input_storage)),
+            **dict(zip(fgraph.outputs, output_storage)),
+        }
+        thunk.executor = executor
+        return (
+            thunk,
+            [Container(v, s) for v, s in zip(fgraph.inputs, input_storage)],
+            [Container(v, s, readonly=True) for v, s in zip(fgraph.outputs, output_storage)],
+        )
+
+    def _backend_thunk(self, input_storage, output_storage, storage_map, **kwargs):
+        backend = copy.copy(_compat.backend_mode().linker)
+        backend = backend.accept(self.fgraph, no_recycling=self.no_recycling, profile=self.profile)
+        if self._updated_vars is not None and hasattr(backend, "accept_var_updates"):
+            backend.accept_var_updates(self._updated_vars)
+        return backend.make_thunk(
+            input_storage=input_storage,
+            output_storage=output_storage,
+            storage_map=storage_map,
+            **kwargs,
+        )
+
+    def __repr__(self) -> str:
+        return "DaskLinker()"
+
+
+def dask_mode(scheduler=None, heavy_flops: float | None = None) -> Mode:
+    """A PyTensor ``Mode`` that plans graphs into coarse tasks and runs them on Dask.
+
+    The registered ``"DASK"`` mode is ``dask_mode()``.  Its rewrites are those of
+    PyTensor's default mode for the installed line.
+
+    Parameters
+    ----------
+    scheduler : Client, str or callable, optional
+        See :class:`DaskLinker`.
+    heavy_flops : float, optional
+        Threshold of the planner's cost rule.
+
+    Returns
+    -------
+    pytensor.compile.mode.Mode
+
+    Examples
+    --------
+    >>> import pytensor, pytensor.tensor as pt
+    >>> import dasktensor as dt
+    >>> x = pt.vector("x")
+    >>> f = pytensor.function([x], 2 * x, mode=dt.dask_mode(scheduler="sync"))
+    >>> f([1.0, 2.0]).tolist()
+    [2.0, 4.0]
+    """
+    backend = _compat.backend_mode()
+    return Mode(linker=DaskLinker(scheduler, heavy_flops), optimizer=backend.provided_optimizer)
+
+
+DASK = dask_mode()
+register_mode("DASK", DASK)

@@ -1,0 +1,198 @@
+"""Task runners: the callables that Dask runs, one per task of a plan.
+
+A runner holds a *copy* of its task's subgraph, with fresh input variables, and compiles
+it on first use in each process:
+
+* cheap stages and costly work with the line's own backend (C VM or Numba), without
+  rewriting again (the graph was rewritten once, for the whole function);
+* heavy nodes through ``perform`` (Python Ops such as remote calls), or, for an
+  ``OpFromGraph`` (an annotated subgraph), with the backend and its rewrites.
+
+A runner pickles as its token and the pickled subgraph (computed once), so shipping it to a
+worker costs a few kilobytes, and a worker keeps one compiled runner per token.  PyTensor
+compilation is not thread-safe: it happens under one process-wide lock.  A compiled
+PyTensor function is not reentrant either: each runner keeps a small pool of compiled
+copies, one per concurrent caller.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Literal
+
+from dask.base import tokenize
+from pytensor.compile.builders import OpFromGraph
+from pytensor.compile.io import In
+from pytensor.compile.mode import Mode
+from pytensor.graph.basic import Variable
+from pytensor.graph.replace import clone_replace
+
+from dasktensor import _compat
+
+Backend = Literal["stage", "inner", "perform"]
+
+_compile_lock = threading.RLock()
+# runners unpickled in this process (on a worker), by token: compiled once, reused by
+# every later call that ships the same task
+_restored: OrderedDict[str, TaskRunner] = OrderedDict()
+_restored_lock = threading.Lock()
+_RESTORED_MAX = 512
+_all_runners: weakref.WeakSet[TaskRunner] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
+    """Locks held by another thread at fork time would stay locked in the child."""
+    global _compile_lock, _restored_lock
+    _compile_lock = threading.RLock()
+    _restored_lock = threading.Lock()
+    for runner in list(_all_runners):
+        runner._pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _fresh(value):
+    """A private copy of a value that a task will overwrite in place."""
+    if hasattr(value, "copy"):
+        return value.copy()
+    return copy.deepcopy(value)
+
+
+class TaskRunner:
+    """Run one task: values of its inputs in, a tuple of values of its outputs out.
+
+    Parameters
+    ----------
+    inputs, outputs : sequence of Variable
+        The task's boundary inputs and the outputs other tasks (or the caller) need.
+    destroyed : sequence of int
+        Positions of inputs the task overwrites in place; they are copied first.
+    backend : {"stage", "inner", "perform"}
+        How the subgraph is compiled (see the module docstring).
+    name : str
+        The task's name, used in error messages.
+    """
+
+    def __init__(
+        self,
+        inputs: Sequence[Variable],
+        outputs: Sequence[Variable],
+        destroyed: Sequence[int] = (),
+        backend: Backend = "stage",
+        name: str = "task",
+    ):
+        fresh = [v.type() for v in inputs]
+        for new, old in zip(fresh, inputs):
+            new.name = old.name
+        cloned = clone_replace(list(outputs), replace=dict(zip(inputs, fresh)))
+        self.name = name
+        self.destroyed = tuple(destroyed)
+        self.backend = backend
+        self._graph = (fresh, cloned)
+        self._payload: bytes | None = None
+        self._pool: list = []
+        self._pool_lock = threading.Lock()
+        _all_runners.add(self)
+
+    @classmethod
+    def for_task(cls, task) -> TaskRunner:
+        """The runner of a :class:`dasktensor._plan.Task`."""
+        backend: Backend = "stage"
+        if task.kind == "heavy":
+            (node,) = task.nodes
+            backend = "inner" if isinstance(node.op, OpFromGraph) else "perform"
+        return cls(task.inputs, task.outputs, task.destroyed_inputs, backend, task.name)
+
+    # pickling: the token and the pickled subgraph, compiled again on the other side
+    def __reduce__(self):
+        if self._payload is None:
+            fresh, cloned = self._graph
+            state = (fresh, cloned, self.destroyed, self.backend, self.name)
+            self._payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+            self._token = tokenize(self._payload)
+        return _restore, (self._token, self._payload)
+
+    def _compile(self):
+        fresh, outputs = self._graph
+        backend = _compat.backend_mode()
+        if self.backend == "stage":
+            mode = Mode(linker=backend.linker, optimizer=None)
+        elif self.backend == "inner":
+            mode = backend
+        else:
+            mode = Mode(linker="py", optimizer=None)
+        import pytensor
+
+        ins = [In(v, mutable=i in self.destroyed) for i, v in enumerate(fresh)]
+        with _compile_lock:
+            fn = pytensor.function(
+                ins,
+                outputs,
+                mode=mode,
+                accept_inplace=True,
+                on_unused_input="ignore",
+                name=self.name,
+            )
+        fn.trust_input = True
+        return fn
+
+    def compile(self) -> None:
+        """Compile one copy now (otherwise the first call compiles)."""
+        fn = self._acquire()
+        self._release(fn)
+
+    def _acquire(self):
+        with self._pool_lock:
+            if self._pool:
+                return self._pool.pop()
+        return self._compile()
+
+    def _release(self, fn) -> None:
+        with self._pool_lock:
+            self._pool.append(fn)
+
+    def __call__(self, *values):
+        if self.destroyed:
+            values = list(values)
+            for i in self.destroyed:
+                values[i] = _fresh(values[i])
+        fn = self._acquire()
+        try:
+            out = fn(*values)
+        finally:
+            self._release(fn)
+        return tuple(out) if isinstance(out, list) else (out,)
+
+    def __repr__(self) -> str:
+        return f"TaskRunner({self.name!r}, backend={self.backend!r})"
+
+
+def _restore(token: str, payload: bytes) -> TaskRunner:
+    with _restored_lock:
+        runner = _restored.get(token)
+        if runner is not None:
+            _restored.move_to_end(token)
+            return runner
+    fresh, cloned, destroyed, backend, name = pickle.loads(payload)
+    runner = TaskRunner.__new__(TaskRunner)
+    runner.name = name
+    runner.destroyed = destroyed
+    runner.backend = backend
+    runner._graph = (fresh, cloned)
+    runner._payload = payload
+    runner._token = token
+    runner._pool = []
+    runner._pool_lock = threading.Lock()
+    _all_runners.add(runner)
+    with _restored_lock:
+        runner = _restored.setdefault(token, runner)
+        while len(_restored) > _RESTORED_MAX:
+            _restored.popitem(last=False)
+    return runner
