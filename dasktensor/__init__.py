@@ -16,6 +16,8 @@ from dasktensor._function import function as function
 from dasktensor._linker import DASK as DASK
 from dasktensor._linker import DaskLinker as DaskLinker
 from dasktensor._linker import dask_mode as dask_mode
+from dasktensor._placement import Placed as Placed
+from dasktensor._placement import annotate as annotate
 from dasktensor._plan import Plan as Plan
 from dasktensor._plan import Task as Task
 from dasktensor._plan import is_heavy as is_heavy
@@ -32,8 +34,10 @@ __all__ = [
     "DaskFunction",
     "DaskLinker",
     "NoWorkerWithResourcesError",
+    "Placed",
     "Plan",
     "Task",
+    "annotate",
     "dask_mode",
     "function",
     "is_heavy",

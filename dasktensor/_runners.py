@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 from dask.base import tokenize
 from pytensor.compile.builders import OpFromGraph
 from pytensor.compile.io import In
@@ -56,6 +57,13 @@ def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _aligned(value):
+    """Arrays deserialised from a network frame may be unaligned; compiled code refuses those."""
+    if isinstance(value, np.ndarray) and not value.flags.aligned:
+        return value.copy()
+    return value
 
 
 def _fresh(value):
@@ -104,11 +112,21 @@ class TaskRunner:
     @classmethod
     def for_task(cls, task) -> TaskRunner:
         """The runner of a :class:`dasktensor._plan.Task`."""
+        outputs = task.outputs
         backend: Backend = "stage"
         if task.kind == "heavy":
             (node,) = task.nodes
-            backend = "inner" if isinstance(node.op, OpFromGraph) else "perform"
-        return cls(task.inputs, task.outputs, task.destroyed_inputs, backend, task.name)
+            if isinstance(node.op, OpFromGraph):
+                # inline the inner graph: it is rewritten and compiled as one stage
+                inner = clone_replace(
+                    list(node.op.inner_outputs),
+                    replace=dict(zip(node.op.inner_inputs, node.inputs)),
+                )
+                outputs = [inner[node.outputs.index(o)] for o in task.outputs]
+                backend = "inner"
+            else:
+                backend = "perform"
+        return cls(task.inputs, outputs, task.destroyed_inputs, backend, task.name)
 
     # pickling: the token and the pickled subgraph, compiled again on the other side
     def __reduce__(self):
@@ -159,10 +177,9 @@ class TaskRunner:
             self._pool.append(fn)
 
     def __call__(self, *values):
-        if self.destroyed:
-            values = list(values)
-            for i in self.destroyed:
-                values[i] = _fresh(values[i])
+        values = [_aligned(v) for v in values]
+        for i in self.destroyed:
+            values[i] = _fresh(values[i])
         fn = self._acquire()
         try:
             out = fn(*values)

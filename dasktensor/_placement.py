@@ -1,0 +1,261 @@
+"""Placement: ``dt.annotate`` marks a subgraph with Dask annotations.
+
+Tags on variables do not survive PyTensor's rewrites, so the marked subgraph is wrapped in
+an Op of its own: :class:`Placed`, an ``OpFromGraph`` that the planner treats as heavy (one
+task) and whose annotations (resources, retries, priority, workers) become the task's
+annotations on the distributed scheduler.
+
+How the context manager finds the subgraph: while an ``annotate`` block is open in a
+thread, every ``Apply`` node and every ``Variable`` created in that thread is recorded.
+PyTensor builds throw-away "dummy" nodes while it constructs a graph (the core node of a
+``Blockwise``, the scalar node of an ``Elemwise``): they hang from unnamed root variables
+created inside the block, and are dropped.  When the block closes, the remaining nodes whose
+outputs are not used inside the block (the values the block produced last) are replaced by
+one ``Placed`` node computing them from the block's inputs.
+The variables the caller holds are rewired in place to that node, so code after the block
+uses the placed computation.  Intermediate values of the block that are also used after it
+stay outside the placement (they are computed where the planner puts them).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Mapping
+from numbers import Integral, Real
+
+from pytensor.compile.builders import OpFromGraph
+from pytensor.graph.basic import Apply, Constant, Variable
+from pytensor.graph.replace import clone_replace
+
+from dasktensor._plan import op_label
+
+
+class Placed(OpFromGraph):
+    """A subgraph that runs as one Dask task with annotations.
+
+    Built by :func:`annotate`; rarely constructed directly.
+
+    Parameters
+    ----------
+    inputs, outputs
+        The inner graph, as for ``OpFromGraph``.
+    annotations : dict
+        Dask task annotations: ``resources``, ``retries``, ``priority``, ``workers``,
+        ``allow_other_workers``.
+    label : str
+        Prefix of the task's keys on the dashboard.
+    """
+
+    dasktensor_heavy = True
+
+    def __init__(self, inputs, outputs, *, annotations=None, label="annotated", **kwargs):
+        self.dasktensor_annotations = dict(annotations or {})
+        self.dasktensor_name = label
+        super().__init__(inputs, outputs, **kwargs)
+
+    def _placement_key(self):
+        ann = self.dasktensor_annotations
+        return (self.dasktensor_name, tuple(sorted((k, repr(v)) for k, v in ann.items())))
+
+    def __eq__(self, other):
+        return (
+            type(self) is type(other)
+            and self._placement_key() == other._placement_key()
+            and super().__eq__(other)
+        )
+
+    def __hash__(self):
+        return hash((super().__hash__(), self._placement_key()))
+
+    def __str__(self):
+        return f"Placed{{{self.dasktensor_name}, {self.dasktensor_annotations}}}"
+
+
+# ----------------------------------------------------------------------------- recording
+
+_local = threading.local()
+_hook_lock = threading.Lock()
+_hook_users = 0
+_original_apply_init = Apply.__init__
+_original_variable_init = Variable.__init__
+
+
+def _recording_apply_init(self, *args, **kwargs):
+    _original_apply_init(self, *args, **kwargs)
+    stack = getattr(_local, "stack", None)
+    if stack:
+        stack[-1]._nodes.append(self)
+
+
+def _recording_variable_init(self, *args, **kwargs):
+    _original_variable_init(self, *args, **kwargs)
+    stack = getattr(_local, "stack", None)
+    if stack:
+        stack[-1]._variables.append(self)
+
+
+def _install_hook() -> None:
+    global _hook_users
+    with _hook_lock:
+        _hook_users += 1
+        if _hook_users == 1:
+            Apply.__init__ = _recording_apply_init
+            Variable.__init__ = _recording_variable_init
+
+
+def _remove_hook() -> None:
+    global _hook_users
+    with _hook_lock:
+        _hook_users -= 1
+        if _hook_users == 0:
+            Apply.__init__ = _original_apply_init
+            Variable.__init__ = _original_variable_init
+
+
+def _check_annotations(resources, retries, priority, workers) -> dict:
+    ann: dict = {}
+    if resources is not None:
+        if not isinstance(resources, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, Real) and v > 0 for k, v in resources.items()
+        ):
+            raise TypeError(
+                "annotate(resources=...) expected a dict of resource names to positive "
+                f"amounts, such as {{'GPU': 1}}, got {resources!r}"
+            )
+        ann["resources"] = dict(resources)
+    if retries is not None:
+        if not isinstance(retries, Integral) or retries < 0:
+            raise TypeError(f"annotate(retries=...) expected an integer >= 0, got {retries!r}")
+        ann["retries"] = int(retries)
+    if priority is not None:
+        if not isinstance(priority, Integral):
+            raise TypeError(f"annotate(priority=...) expected an integer, got {priority!r}")
+        ann["priority"] = int(priority)
+    if workers is not None:
+        if isinstance(workers, str):
+            workers = [workers]
+        ann["workers"] = list(workers)
+    return ann
+
+
+class annotate:
+    """Run the subgraph built inside the block as one Dask task with these annotations.
+
+    The marks survive PyTensor's rewrites (the subgraph becomes a :class:`Placed` Op) and
+    become annotations that the distributed scheduler honours: a task asking for
+    ``resources={"GPU": 1}`` only runs on workers started with that resource.
+
+    Parameters
+    ----------
+    resources : dict, optional
+        Worker resources each run of the subgraph needs, e.g. ``{"GPU": 1}``.
+    retries : int, optional
+        How many times the task is retried after an exception.
+    priority : int, optional
+        Scheduling priority (higher runs first).
+    workers : str or list of str, optional
+        Addresses of the workers allowed to run the task.
+    name : str, optional
+        Prefix of the task's keys on the dashboard (letters and dashes).  Defaults to
+        ``"annotated-<op>"`` after the subgraph's main op.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor.tensor as pt
+    >>> import dasktensor as dt
+    >>> x = pt.matrix("x")
+    >>> with dt.annotate(resources={"GPU": 1}, retries=2, name="surrogate"):
+    ...     y = pt.tanh(x @ x.T)
+    >>> f = dt.function([x], y.sum())
+    >>> [t.name for t in f.plan.tasks if t.kind == "heavy"]
+    ['surrogate']
+    >>> f.plan.tasks[0].annotations
+    {'resources': {'GPU': 1}, 'retries': 2}
+
+    It also decorates a function that builds a graph:
+
+    >>> @dt.annotate(retries=1)
+    ... def block(v):
+    ...     return pt.exp(v) + 1
+    """
+
+    def __init__(self, *, resources=None, retries=None, priority=None, workers=None, name=None):
+        self.annotations = _check_annotations(resources, retries, priority, workers)
+        if name is not None and not (isinstance(name, str) and name.replace("-", "").isalpha()):
+            raise ValueError(
+                f"annotate(name=...) expected letters and dashes (it prefixes Dask keys), "
+                f"got {name!r}"
+            )
+        self.name = name
+        self._nodes: list[Apply] = []
+        self._variables: list[Variable] = []
+
+    def _copy(self) -> annotate:
+        new = annotate.__new__(annotate)
+        new.annotations = dict(self.annotations)
+        new.name = self.name
+        new._nodes = []
+        new._variables = []
+        return new
+
+    def __enter__(self) -> annotate:
+        self._nodes = []
+        self._variables = []
+        stack = getattr(_local, "stack", None)
+        if stack is None:
+            stack = _local.stack = []
+        stack.append(self)
+        _install_hook()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _local.stack.remove(self)
+        _remove_hook()
+        if exc_type is None:
+            self._wrap()
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with self._copy():
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    def _wrap(self) -> None:
+        # drop PyTensor's dummy nodes: those hanging from unnamed roots made in the block
+        dummy_roots = {
+            v
+            for v in self._variables
+            if v.owner is None and v.name is None and not isinstance(v, Constant)
+        }
+        dummy_outputs: set[Variable] = set()
+        nodes = []
+        for n in self._nodes:  # creation order is a topological order
+            if any(i in dummy_roots or i in dummy_outputs for i in n.inputs):
+                dummy_outputs.update(n.outputs)
+            else:
+                nodes.append(n)
+        self._nodes, self._variables = [], []
+        if not nodes:
+            return
+        produced = {o for n in nodes for o in n.outputs}
+        consumed = {i for n in nodes for i in n.inputs}
+        frontier = [o for n in nodes for o in n.outputs if o not in consumed]
+        inputs, seen = [], set()
+        for n in nodes:
+            for i in n.inputs:
+                if i not in produced and i not in seen and not isinstance(i, Constant):
+                    seen.add(i)
+                    inputs.append(i)
+        if not frontier:
+            return
+        inner_inputs = [v.type() for v in inputs]
+        inner_outputs = clone_replace(frontier, replace=dict(zip(inputs, inner_inputs)))
+        label = self.name or f"annotated-{op_label(nodes[-1].op)}"
+        op = Placed(inner_inputs, inner_outputs, annotations=self.annotations, label=label)
+        for o in frontier:  # rewire the caller's variables to the placed node
+            o.owner = None
+            o.index = None
+        Apply(op, inputs, frontier)

@@ -1,0 +1,39 @@
+"""Shared fixtures: real distributed clusters, started once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# keep BLAS single-threaded in workers and in the test process: the machines have 2 cores
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+
+def _cluster(**kwargs):
+    from distributed import LocalCluster
+
+    kwargs.setdefault("n_workers", 2)
+    kwargs.setdefault("threads_per_worker", 1)
+    kwargs.setdefault("processes", True)
+    kwargs.setdefault("dashboard_address", None)
+    return LocalCluster(host="127.0.0.1", **kwargs)
+
+
+@pytest.fixture(scope="session")
+def process_cluster():
+    """A LocalCluster with 2 worker processes (pickling, failover and placement are real)."""
+    cluster = _cluster()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def client(process_cluster):
+    """A Client of the session's process cluster, not set as the default client."""
+    from distributed import Client
+
+    with Client(process_cluster, set_as_default=False) as c:
+        yield c
