@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from dasktensor import _config  # noqa: F401  (loads dasktensor.yaml into dask.config)
+from dasktensor._cluster import connect as connect
 from dasktensor._execute import NoWorkerWithResourcesError as NoWorkerWithResourcesError
 from dasktensor._function import DaskFunction as DaskFunction
 from dasktensor._function import function as function
@@ -38,6 +39,7 @@ __all__ = [
     "Plan",
     "Task",
     "annotate",
+    "connect",
     "dask_mode",
     "function",
     "is_heavy",

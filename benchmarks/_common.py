@@ -1,0 +1,265 @@
+"""Shared helpers of the dasktensor benchmarks.
+
+The machine the benchmarks run on is small (2 cores) and shared, so:
+
+* every measurement is a median over several samples, after warm-up calls;
+* alternatives are measured side by side in the same run, interleaved sample by sample
+  (``compare``), so that drifting background load affects them alike;
+* nothing asserts on timings: a benchmark returns rows (benchmark, metric, measured,
+  target, met?) and prints them.
+
+Benchmark modules import this file as ``_common`` (``import_common`` below puts this
+directory on ``sys.path``), so they run as scripts (``python benchmarks/bench_x.py``) and
+from ``run_all.py`` alike; worker processes are spawned and inherit ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Environment of single-threaded worker processes (and of anything this process spawns).
+SINGLE_THREAD_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "NUMBA_NUM_THREADS": "1",
+}
+
+
+def quiet() -> None:
+    """Silence the warnings that PyMC/ArviZ print at import; they clutter the tables."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=".*ravel_inputs.*")
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _sample(fn: Callable[[], object], number: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - t0) / number
+
+
+def median_time(
+    fn: Callable[[], object], *, repeat: int = 15, number: int = 1, warmup: int = 2
+) -> float:
+    """Median seconds per call of ``fn()``: ``warmup`` calls, then ``repeat`` samples of
+    ``number`` calls each."""
+    for _ in range(warmup):
+        fn()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        samples = [_sample(fn, number) for _ in range(repeat)]
+    finally:
+        if gc_was:
+            gc.enable()
+    return statistics.median(samples)
+
+
+def compare(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    repeat: int = 15,
+    number: int = 1,
+    warmup: int = 2,
+) -> dict[str, float]:
+    """Median seconds per call of each function, sampled in interleaved rounds.
+
+    Every round takes one sample (``number`` calls) of each function in turn, so slow
+    phases of a noisy machine hit all of them alike.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for r in range(repeat):
+            names = list(fns) if r % 2 == 0 else list(reversed(fns))  # alternate order
+            for name in names:
+                samples[name].append(_sample(fns[name], number))
+    finally:
+        if gc_was:
+            gc.enable()
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.3f} s"
+
+
+# ----------------------------------------------------------------------------- BLAS
+
+
+@contextlib.contextmanager
+def limit_blas(n: int = 1) -> Iterator[None]:
+    """Limit BLAS (and OpenMP) thread pools of this process to ``n`` threads."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=n):
+        yield
+
+
+def blas_threads() -> list[int]:
+    """Thread counts of the BLAS libraries loaded in this process."""
+    from threadpoolctl import threadpool_info
+
+    return sorted({d["num_threads"] for d in threadpool_info() if d["user_api"] == "blas"})
+
+
+def _limit_blas_in_worker(n: int = 1) -> list[int]:
+    """Run on a worker: limit its BLAS pools for good and report the thread counts."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=n)  # not used as a context: stays in force in the worker
+    return blas_threads()
+
+
+# ----------------------------------------------------------------------------- clusters
+
+
+@contextlib.contextmanager
+def local_cluster(n_workers: int, threads_per_worker: int = 1, **kwargs):
+    """A ``LocalCluster`` on 127.0.0.1 with single-threaded BLAS in its workers.
+
+    Yields a ``Client`` (not set as the default client); cluster and client are always
+    closed on exit.
+    """
+    import dask
+    from distributed import Client, LocalCluster
+
+    env = dict(SINGLE_THREAD_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [HERE, os.environ.get("PYTHONPATH", "")] if p
+    )
+    kwargs.setdefault("processes", True)
+    kwargs.setdefault("dashboard_address", None)
+    kwargs.setdefault("silence_logs", "error")
+    # pre-spawn: set before the worker interpreter starts, so BLAS reads it at load time
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": env}):
+        cluster = LocalCluster(
+            host="127.0.0.1",
+            n_workers=n_workers,
+            threads_per_worker=threads_per_worker,
+            env=env,
+            **kwargs,
+        )
+    try:
+        client = Client(cluster, set_as_default=False)
+        try:
+            client.wait_for_workers(n_workers, timeout=60)
+            client.run(_limit_blas_in_worker, 1)
+            yield client
+        finally:
+            client.close()
+    finally:
+        cluster.close()
+
+
+def worker_blas_threads(client) -> dict[str, list[int]]:
+    return client.run(blas_threads)
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+@dataclass
+class Row:
+    """One line of the summary table."""
+
+    benchmark: str
+    metric: str
+    measured: float
+    target: float | None = None
+    higher_is_better: bool = False
+    unit: str = ""
+
+    @property
+    def met(self) -> str:
+        if self.target is None:
+            return "-"
+        ok = self.measured >= self.target if self.higher_is_better else self.measured <= self.target
+        return "yes" if ok else "NO"
+
+    @property
+    def target_text(self) -> str:
+        if self.target is None:
+            return "(info)"
+        return f"{'>=' if self.higher_is_better else '<='} {self.target:g}{self.unit}"
+
+    @property
+    def measured_text(self) -> str:
+        if self.unit == "s":
+            return fmt_time(self.measured)
+        if float(self.measured).is_integer() and abs(self.measured) < 1e6:
+            return f"{int(self.measured)}{self.unit}"
+        return f"{self.measured:.3f}{self.unit}"
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> None:
+    """Print a plain aligned text table."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+              for i, h in enumerate(headers)]
+    if title:
+        print(f"\n{title}")
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    print(line)
+    print("-" * len(line))
+    for r in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    sys.stdout.flush()
+
+
+def print_ratio_table(
+    times: Mapping[str, float], baseline: str, title: str = "", ratio_name: str = "ratio"
+) -> None:
+    """Median times of several variants and each one's ratio to ``baseline``."""
+    base = times[baseline]
+    rows = [(name, fmt_time(t), f"{t / base:.3f}") for name, t in times.items()]
+    print_table(["variant", "median", f"{ratio_name} (/ {baseline})"], rows, title)
+
+
+def print_rows(rows: Sequence[Row], title: str = "") -> None:
+    print_table(
+        ["benchmark", "metric", "measured", "target", "met?"],
+        [(r.benchmark, r.metric, r.measured_text, r.target_text, r.met) for r in rows],
+        title,
+    )
+
+
+def versions_line() -> str:
+    import dask
+    import numpy
+    import pytensor
+
+    try:
+        from importlib.metadata import version
+
+        pymc = version("pymc")
+    except Exception:  # pragma: no cover
+        pymc = "?"
+    return (
+        f"python {sys.version.split()[0]}, pytensor {pytensor.__version__}, pymc {pymc}, "
+        f"dask {dask.__version__}, numpy {numpy.__version__}, "
+        f"linker {type(__import__('pytensor').compile.mode.get_mode('FAST_RUN').linker).__name__}"
+    )

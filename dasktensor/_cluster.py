@@ -1,0 +1,134 @@
+"""``dt.connect``: a distributed Client, to a running cluster or to an embedded one."""
+
+from __future__ import annotations
+
+import dask
+
+from dasktensor import _config
+
+
+def _configured_address() -> str | None:
+    return _config.get("scheduler-address") or dask.config.get("scheduler-address", None)
+
+
+def connect(
+    address: str | None = None,
+    *,
+    security=None,
+    n_workers: int | None = None,
+    threads_per_worker: int | None = None,
+    processes: bool | None = None,
+    resources: dict | None = None,
+    host: str = "127.0.0.1",
+    scheduler_port: int = 0,
+    dashboard_address: str | None = None,
+    timeout: float | str | None = None,
+    set_as_default: bool = True,
+    **cluster_kwargs,
+):
+    """Connect to a Dask cluster, or start an embedded one on this machine.
+
+    With an address (argument, ``dask.config`` ``dasktensor.scheduler-address`` or Dask's own
+    ``scheduler-address``, which ``DASK_SCHEDULER_ADDRESS`` sets), returns a Client of that
+    scheduler; ``tls://`` addresses take a ``distributed.security.Security``.  Without one,
+    starts a ``LocalCluster`` whose scheduler and dashboard listen on 127.0.0.1 only, and
+    returns a Client that owns it (closing the client stops the cluster).
+
+    dasktensor only needs the scheduler's address: a cluster started by
+    ``dask scheduler`` / ``dask worker``, dask-jobqueue (HPC queues), dask-kubernetes or any
+    other Dask deployment works the same way.
+
+    Parameters
+    ----------
+    address : str, optional
+        Scheduler address, e.g. ``"tcp://10.0.0.5:8786"``.
+    security : distributed.security.Security, optional
+        TLS settings for ``tls://`` clusters.
+    n_workers, threads_per_worker, processes, resources
+        Embedded cluster only: worker count, threads per worker, worker processes (the
+        default) or threads, and the resources every worker offers (``{"GPU": 1}``).
+        Defaults from ``dasktensor.cluster.*``.
+    host, scheduler_port, dashboard_address
+        Embedded cluster only: where the scheduler and the dashboard listen (default
+        ``127.0.0.1``, a free port, and ``dasktensor.cluster.dashboard-address``).
+    timeout : float or str, optional
+        How long to wait for the scheduler (``dasktensor.connect-timeout``).
+    set_as_default : bool
+        Make the client Dask's default, so that ``dt.function`` and ``dask.compute`` use it.
+    **cluster_kwargs
+        Further ``LocalCluster`` arguments (embedded cluster only).
+
+    Returns
+    -------
+    distributed.Client
+        ``client.dashboard_link`` is the dashboard's address.
+
+    Raises
+    ------
+    ConnectionError
+        The scheduler at ``address`` did not answer within ``timeout``.
+
+    Examples
+    --------
+    >>> import dasktensor as dt
+    >>> client = dt.connect(n_workers=1, dashboard_address=None)  # doctest: +SKIP
+    >>> client.close()  # doctest: +SKIP
+    """
+    from dask.utils import parse_timedelta
+    from distributed import Client
+
+    timeout_s = parse_timedelta(
+        timeout if timeout is not None else _config.get("connect-timeout"), default="s"
+    )
+    address = address or _configured_address()
+    if address is not None:
+        if cluster_kwargs or n_workers is not None or resources is not None:
+            raise TypeError(
+                "connect() got an address and options for an embedded cluster "
+                f"({', '.join(['n_workers', 'resources', *cluster_kwargs][:3])}...): "
+                "workers of an existing cluster are configured where they are started "
+                "(`dask worker ADDRESS --resources 'GPU=1'`)"
+            )
+        try:
+            return Client(
+                address, security=security, timeout=timeout_s, set_as_default=set_as_default
+            )
+        except (OSError, TimeoutError) as e:
+            raise ConnectionError(
+                f"Could not reach a Dask scheduler at {address!r} within {timeout_s:g} s "
+                f"({type(e).__name__}: {e}). Start one with `dask scheduler` and workers "
+                f"with `dask worker {address}`, check the address and firewall, or call "
+                "dt.connect() without an address for an embedded cluster on this machine."
+            ) from e
+
+    cfg = _config.get("cluster")
+    kwargs = {
+        "n_workers": n_workers if n_workers is not None else cfg["n-workers"],
+        "threads_per_worker": (
+            threads_per_worker if threads_per_worker is not None else cfg["threads-per-worker"]
+        ),
+        "processes": processes if processes is not None else cfg["processes"],
+        "dashboard_address": (
+            dashboard_address if dashboard_address is not None else cfg["dashboard-address"]
+        ),
+        "host": host,
+        "scheduler_port": scheduler_port,
+        **cluster_kwargs,
+    }
+    if resources is not None:
+        kwargs["resources"] = dict(resources)
+    # a task asking for resources that no worker offers fails instead of waiting forever
+    no_workers = {"distributed.scheduler.no-workers-timeout": _config.get("placement.resource-timeout")}
+    with dask.config.set(no_workers):
+        if security is None:
+            # the client starts the cluster and stops it when it closes
+            return Client(
+                timeout=timeout_s, set_as_default=set_as_default, protocol="tcp://", **kwargs
+            )
+        from distributed import LocalCluster
+
+        cluster = LocalCluster(security=security, protocol="tls://", **kwargs)
+        # client.shutdown() stops this cluster with the client
+        return Client(
+            cluster, security=security, timeout=timeout_s, set_as_default=set_as_default
+        )
