@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import statistics
 import sys
@@ -41,6 +42,8 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", message=".*ravel_inputs.*")
+    # PyTensor 2.38 from pip: its C Dot22 falls back to NumPy's BLAS (same for both modes)
+    warnings.filterwarnings("ignore", message="PyTensor could not link to a BLAS")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -153,7 +156,7 @@ def local_cluster(n_workers: int, threads_per_worker: int = 1, **kwargs):
     )
     kwargs.setdefault("processes", True)
     kwargs.setdefault("dashboard_address", None)
-    kwargs.setdefault("silence_logs", "error")
+    kwargs.setdefault("silence_logs", logging.ERROR)
     # pre-spawn: set before the worker interpreter starts, so BLAS reads it at load time
     with dask.config.set({"distributed.nanny.pre-spawn-environ": env}):
         cluster = LocalCluster(

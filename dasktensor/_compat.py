@@ -38,3 +38,17 @@ def versions() -> dict[str, str]:
         except Exception:  # pragma: no cover - dasktensor itself when not installed
             out[name] = "not installed"
     return out
+
+
+def inline_op_from_graph(node) -> list:
+    """The outputs of an ``OpFromGraph`` node's inner graph, applied to the node's inputs.
+
+    PyTensor 3 freezes inner graphs (``FrozenFunctionGraph.bind`` rebuilds them); 2.38
+    keeps an ordinary graph that ``clone_replace`` copies.
+    """
+    op = node.op
+    if hasattr(op.fgraph, "bind"):
+        return list(op.fgraph.bind(list(node.inputs)))
+    from pytensor.graph.replace import clone_replace
+
+    return list(clone_replace(list(op.inner_outputs), replace=dict(zip(op.inner_inputs, node.inputs))))

@@ -69,7 +69,7 @@ class DaskLinker(type(_BACKEND_LINKER)):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.update(fgraph=None, plan=None, executor=None, _updated_vars=None)
+        state.update(plan=None, executor=None)  # rebuilt by make_thunk
         return state
 
     def clone(self, allow_gc=None):

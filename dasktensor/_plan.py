@@ -125,8 +125,14 @@ def op_label(op) -> str:
     if name is None:
         core_op = getattr(op, "core_op", None)  # Blockwise: name it after what it maps
         name = type(core_op if core_op is not None else op).__name__
-    words = re.findall(r"[a-z]+", re.sub(r"(?<=[a-z])(?=[A-Z])", " ", str(name)).lower())
+    name = _READABLE.get(str(name), str(name))
+    words = re.findall(r"[a-z]+", re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name).lower())
+    # key_split drops an 8-letter word that starts with a-f (it takes it for a hex token)
+    words = [w + "-op" if len(w) == 8 and w[0] in "abcdef" else w for w in words]
     return "-".join(words) or "op"
+
+
+_READABLE = {"Elemwise": "elementwise", "CAReduce": "reduce", "DimShuffle": "dimshuffle"}
 
 
 # ----------------------------------------------------------------------------- cost rule

@@ -118,10 +118,7 @@ class TaskRunner:
             (node,) = task.nodes
             if isinstance(node.op, OpFromGraph):
                 # inline the inner graph: it is rewritten and compiled as one stage
-                inner = clone_replace(
-                    list(node.op.inner_outputs),
-                    replace=dict(zip(node.op.inner_inputs, node.inputs)),
-                )
+                inner = _compat.inline_op_from_graph(node)
                 outputs = [inner[node.outputs.index(o)] for o in task.outputs]
                 backend = "inner"
             else:

@@ -7,7 +7,7 @@ Both Ops set ``dasktensor_heavy = True``: the planner gives each node a task of 
 so a PyMC logp/dlogp function that contains them is a multi-task plan that really runs on
 a Dask scheduler (the threaded one, or a distributed client).
 
-Every ``perform`` records, once per (process, thread, Op class), where it ran: into the
+Every ``perform`` records, once per (log file, process, thread, Op class), where it ran: into the
 file named by the environment variable :data:`LOG_ENV` when it is set.  Tests read that
 file to see that heavy tasks ran in Dask's threads inside PyMC's sampler processes.
 """
@@ -25,7 +25,7 @@ from pytensor.graph.op import Op
 
 LOG_ENV = "DASKTENSOR_TEST_HEAVY_LOG"
 
-_seen: set[tuple[int, str, str]] = set()
+_seen: set[tuple[str, int, str, str]] = set()
 _seen_lock = threading.Lock()
 
 
@@ -33,13 +33,13 @@ def _record(op: Op) -> None:
     path = os.environ.get(LOG_ENV)
     if not path:
         return
-    key = (os.getpid(), threading.current_thread().name, type(op).__name__)
+    key = (path, os.getpid(), threading.current_thread().name, type(op).__name__)
     with _seen_lock:
         if key in _seen:
             return
         _seen.add(key)
     with open(path, "a") as f:  # one short line per append: atomic enough across processes
-        f.write(f"{key[0]}\t{key[1]}\t{key[2]}\n")
+        f.write("\t".join(map(str, key[1:])) + "\n")
 
 
 def read_log(path) -> list[tuple[int, str, str]]:

@@ -1,0 +1,118 @@
+"""(b) Independent costly branches run in parallel on a 2-process cluster.
+
+Four independent branches, each a chain of ``LINKS`` links ``h = tanh(W_i @ h)`` on
+500x500 matrices, start from one input ``x`` and end in ``mean(h)``; the output is the
+sum of the four means.  Each branch has its own weight matrix ``W_i``, a shared variable
+with a static shape (so the planner's cost rule sees ``2 * 500**3 = 2.5e8`` flops per
+product, above ``heavy-flops``).  The planner should fuse each branch into one cluster
+task, plus one cheap stage on the caller that adds the four means.
+
+Compared, side by side in the same run, with BLAS limited to one thread in the client and
+in the workers:
+
+* the default mode (one process, BLAS 1 thread);
+* ``dt.function(scheduler=client)`` on a ``LocalCluster`` with 2 worker processes x 1
+  thread (target speed-up default/DASK >= 1.7);
+* for information, ``dt.function(scheduler="threads")`` (Dask's threaded scheduler in
+  this process, 2 threads).
+
+Run: ``python benchmarks/bench_b_branches.py``
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    Row,
+    blas_threads,
+    compare,
+    limit_blas,
+    local_cluster,
+    print_ratio_table,
+    print_rows,
+    quiet,
+    versions_line,
+    worker_blas_threads,
+)
+
+NAME = "b-branches"
+N = 500
+BRANCHES = 4
+LINKS = 6
+
+
+def build_graph(seed: int = 0):
+    """Input ``x``, output ``sum_i mean(branch_i(x))``, and a test value of ``x``."""
+    import numpy as np
+    import pytensor
+    import pytensor.tensor as pt
+
+    rng = np.random.default_rng(seed)
+    x = pt.matrix("x", shape=(N, N))
+    means = []
+    for i in range(BRANCHES):
+        w = pytensor.shared(rng.normal(scale=N**-0.5, size=(N, N)), name=f"W{i}", shape=(N, N))
+        h = x
+        for _ in range(LINKS):
+            h = pt.tanh(w @ h)
+        means.append(h.mean())
+    y = pt.add(*means)
+    return x, y, rng.normal(size=(N, N))
+
+
+def main(repeat: int = 9, warmup: int = 4) -> list[Row]:
+    quiet()
+    import numpy as np
+    import pytensor
+
+    import dasktensor as dt
+
+    print(f"[{NAME}] {versions_line()}")
+    x, y, xv = build_graph()
+    rows: list[Row] = []
+    with limit_blas(1):
+        print(f"client BLAS threads: {blas_threads()}")
+        f_default = pytensor.function([x], y)
+        f_threads = dt.function([x], y, scheduler="threads")
+        with local_cluster(n_workers=2, threads_per_worker=1) as client:
+            print(f"worker BLAS threads: {worker_blas_threads(client)}")
+            f_dask = dt.function([x], y, scheduler=client)
+            plan = f_dask.plan
+            print(plan)
+            expected = f_default(xv)
+            np.testing.assert_allclose(f_dask(xv), expected, rtol=1e-10)
+            np.testing.assert_allclose(f_threads(xv), expected, rtol=1e-10)
+            times = compare(
+                {
+                    "default (1 process)": lambda: f_default(xv),
+                    "DASK (2 procs x 1 thread)": lambda: f_dask(xv),
+                    "DASK (threads, local)": lambda: f_threads(xv),
+                },
+                repeat=repeat,
+                warmup=warmup,
+            )
+    print_ratio_table(
+        times, "default (1 process)", title=f"median per call, {repeat} interleaved samples",
+        ratio_name="time ratio",
+    )
+    t0 = times["default (1 process)"]
+    n_cluster = sum(t.where == "cluster" for t in plan.tasks)
+    rows += [
+        Row(NAME, "plan tasks (cluster tasks)", len(plan.tasks)),
+        Row(NAME, "plan cluster tasks", n_cluster, BRANCHES),
+        Row(NAME, "default per call", t0, unit="s"),
+        Row(NAME, "DASK per call (2 procs)", times["DASK (2 procs x 1 thread)"], unit="s"),
+        Row(NAME, "speed-up default/DASK (2 procs)", t0 / times["DASK (2 procs x 1 thread)"],
+            1.7, higher_is_better=True),
+        Row(NAME, "speed-up default/DASK (threads)", t0 / times["DASK (threads, local)"]),
+    ]
+    print_rows(rows, title=f"[{NAME}] summary")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

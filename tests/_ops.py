@@ -1,0 +1,35 @@
+"""Heavy test Ops, importable by worker processes (tests/ is on their sys.path)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
+
+
+class Scale(Op):
+    """Heavy ``x * k`` that sleeps ``delay`` seconds; fails when ``x`` holds ``fail_on``."""
+
+    dasktensor_heavy = True
+    dasktensor_name = "scale-heavy"
+    __props__ = ("k", "delay", "fail_on")
+
+    def __init__(self, k: float = 2.0, delay: float = 0.0, fail_on: float | None = None):
+        self.k = k
+        self.delay = delay
+        self.fail_on = fail_on
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        (x,) = inputs
+        if self.fail_on is not None and np.any(x == self.fail_on):
+            raise ValueError(f"scale-heavy refuses {self.fail_on}")
+        if self.delay:
+            time.sleep(self.delay)
+        outputs[0][0] = np.asarray(x * self.k, dtype=node.outputs[0].dtype)

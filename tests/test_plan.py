@@ -1,0 +1,157 @@
+"""The planner is pure: these tests build graphs and inspect plans, without Dask."""
+
+from __future__ import annotations
+
+import pytensor.tensor as pt
+import pytest
+from _ops import Scale
+from dask.utils import key_split
+from pytensor.graph.fg import FunctionGraph
+
+import dasktensor as dt
+from dasktensor._plan import op_label
+
+
+def plan_of(inputs, outputs, **kwargs):
+    return dt.plan_graph(FunctionGraph(inputs, outputs, clone=True), **kwargs)
+
+
+def test_graph_without_heavy_nodes_is_one_stage():
+    x = pt.vector("x")
+    y = x
+    for i in range(200):
+        y = pt.exp(y) * 0.5 + i
+    plan = plan_of([x], [y.sum()])
+    assert plan.single_stage
+    assert plan.tasks[0].where == "caller"
+    assert len(plan.tasks[0].nodes) == len(plan.fgraph.apply_nodes)
+    assert "nothing to run in parallel" in str(plan)
+
+
+def test_thousand_cheap_nodes_and_four_heavy_ones_make_a_handful_of_tasks():
+    x = pt.vector("x")
+    h = x
+    for i in range(500):
+        h = pt.tanh(h) + i
+    branches = []
+    for k in range(4):
+        b = Scale(k + 1.0)(h + k)
+        for i in range(120):
+            b = b * 1.001 + i
+        branches.append(b.sum())
+    plan = plan_of([x], [sum(branches)])
+    assert len(plan.fgraph.apply_nodes) > 1000
+    kinds = [t.kind for t in plan.tasks]
+    assert kinds.count("heavy") == 4
+    assert len(plan.tasks) <= 10
+    # every heavy node is alone in its task, and the cheap work runs on the caller
+    for t in plan.tasks:
+        if t.kind == "heavy":
+            assert len(t.nodes) == 1 and t.where == "cluster"
+        else:
+            assert t.where == "caller"
+
+
+def test_tasks_form_an_acyclic_graph_covering_every_node_once():
+    x = pt.vector("x")
+    a = Scale(2.0)(x)
+    b = Scale(3.0)(pt.exp(x) + a)  # depends on a: a chain through cheap nodes
+    c = Scale(4.0)(pt.sin(x))
+    out = (a + b).sum() + c.sum() + pt.exp(a).sum()
+    plan = plan_of([x], [out])
+    seen = [n for t in plan.tasks for n in t.nodes]
+    assert sorted(map(id, seen)) == sorted(map(id, plan.fgraph.apply_nodes))
+    for t in plan.tasks:
+        assert all(d < t.index for d in t.deps)  # tasks are listed in topological order
+
+
+def test_cheap_stage_between_two_heavy_calls_runs_on_the_cluster():
+    x = pt.vector("x")
+    a = Scale(2.0)(x)
+    b = Scale(3.0)(pt.exp(a) + 1)
+    plan = plan_of([x], [b.sum()])
+    between = [t for t in plan.tasks if t.kind == "stage" and t.reason.startswith("cheap nodes between")]
+    assert len(between) == 1 and between[0].where == "cluster"
+
+
+def test_costly_matmul_branches_become_one_task_each():
+    x = pt.matrix("x", shape=(300, 300))
+    ws = [[pt.matrix(f"w{b}{i}", shape=(300, 300)) for i in range(3)] for b in range(4)]
+    outs = []
+    for chain in ws:
+        h = x
+        for w in chain:
+            h = pt.tanh(h @ w)
+        outs.append(h.sum())
+    inputs = [x, *[w for chain in ws for w in chain]]
+    plan = plan_of(inputs, [sum(outs)], heavy_flops=1e7)
+    work = [t for t in plan.tasks if t.where == "cluster"]
+    assert len(work) == 4, plan
+    assert all(t.name.startswith("work-") for t in work)
+    # the same graph with small matrices has nothing worth parallelising
+    assert plan_of(inputs, [sum(outs)], heavy_flops=1e12).single_stage
+
+
+def test_a_single_costly_chain_stays_in_process():
+    x = pt.matrix("x", shape=(300, 300))
+    w = pt.matrix("w", shape=(300, 300))
+    plan = plan_of([x, w], [pt.tanh(pt.tanh(x @ w) @ w).sum()], heavy_flops=1e7)
+    assert plan.single_stage
+    assert "one chain" in plan.tasks[0].reason
+
+
+def test_keys_split_into_readable_prefixes():
+    x = pt.vector("x")
+    plan = plan_of([x], [Scale()(pt.exp(x)).sum()])
+    names = {t.name for t in plan.tasks}
+    assert "scale-heavy" in names and "stage-elementwise" in names
+    for t in plan.tasks:
+        key = f"{t.name}-{t.index}-0123456789abcdef0123456789abcdef"
+        assert key_split(key) == t.name
+
+
+def test_op_label_uses_letters_only():
+    x = pt.matrix("x")
+    assert op_label((x @ x).owner.op) in {"dot", "matmul", "blockwise"}
+    assert op_label(Scale()) == "scale-heavy"
+
+
+def test_mark_heavy_registers_third_party_ops():
+    from pytensor.tensor.math import Argmax
+
+    x = pt.matrix("x")
+    out = pt.argmax(x, axis=0)
+    assert plan_of([x], [out]).single_stage
+    dt.mark_heavy(Argmax, name="argmax-heavy")
+    try:
+        plan = plan_of([x], [out + 1])
+        assert [t.name for t in plan.tasks if t.kind == "heavy"] == ["argmax-heavy"]
+    finally:
+        from dasktensor._plan import _HEAVY_TYPES
+
+        del _HEAVY_TYPES[Argmax]
+
+
+def test_mark_heavy_rejects_non_ops():
+    with pytest.raises(TypeError, match="expected a subclass of pytensor Op"):
+        dt.mark_heavy(int)
+
+
+def test_destroyed_inputs_are_reported_for_copying():
+    from pytensor.tensor.rewriting.basic import  register_canonicalize  # noqa: F401
+    import pytensor
+
+    x = pt.vector("x")
+    a = Scale()(x)
+    y = pt.inc_subtensor(a[:2], 1.0)  # inc_subtensor becomes in place after rewriting
+    f = dt.function([x], [y, a * 2], scheduler="sync")
+    stage_inputs = [
+        (t, [t.inputs[i] for i in t.destroyed_inputs]) for t in f.plan.tasks if t.destroyed_inputs
+    ]
+    assert stage_inputs, f.plan
+    import numpy as np
+
+    got = f(np.arange(3.0))
+    want = pytensor.function([x], [y, a * 2])(np.arange(3.0))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w)
