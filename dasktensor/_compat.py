@@ -44,11 +44,14 @@ def inline_op_from_graph(node) -> list:
     """The outputs of an ``OpFromGraph`` node's inner graph, applied to the node's inputs.
 
     PyTensor 3 freezes inner graphs (``FrozenFunctionGraph.bind`` rebuilds them); 2.38
-    keeps an ordinary graph that ``clone_replace`` copies.
+    keeps an ordinary graph, copied here node by node onto the node's own inputs (its
+    ``clone_replace`` would also copy the ancestry of the replacements).
     """
     op = node.op
     if hasattr(op.fgraph, "bind"):
         return list(op.fgraph.bind(list(node.inputs)))
-    from pytensor.graph.replace import clone_replace
+    from pytensor.graph.basic import clone_get_equiv
 
-    return list(clone_replace(list(op.inner_outputs), replace=dict(zip(op.inner_inputs, node.inputs))))
+    memo = dict(zip(op.inner_inputs, node.inputs))
+    equiv = clone_get_equiv(op.inner_inputs, op.inner_outputs, copy_inputs=False, memo=memo)
+    return [equiv[o] for o in op.inner_outputs]

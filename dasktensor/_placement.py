@@ -28,6 +28,7 @@ from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Apply, Constant, Variable
 from pytensor.graph.replace import clone_replace
 
+from dasktensor import _compat
 from dasktensor._plan import op_label
 
 
@@ -70,6 +71,43 @@ class Placed(OpFromGraph):
 
     def __str__(self):
         return f"Placed{{{self.dasktensor_name}, {self.dasktensor_annotations}}}"
+
+    # Gradients of a placed subgraph are placed the same way (the backward pass of a GPU
+    # surrogate belongs on the GPU worker too), under the name "<name>-grad".
+
+    @property
+    def derivative_op_type(self):  # PyTensor 3 builds derivative graphs with this type
+        return functools.partial(
+            Placed, annotations=self.dasktensor_annotations, label=self._grad_label()
+        )
+
+    def _grad_label(self) -> str:
+        return f"{self.dasktensor_name}-grad"
+
+    if not _compat.PYTENSOR_3:  # PyTensor 2.38 wraps derivatives in a plain OpFromGraph
+
+        def L_op(self, inputs, outputs, output_grads):
+            grads = super().L_op(inputs, outputs, output_grads)
+            replaced: dict = {}
+            for g in grads:
+                node = getattr(g, "owner", None)
+                if node is None or type(node.op) is not OpFromGraph or node in replaced:
+                    continue
+                op = Placed(
+                    node.op.inner_inputs,
+                    node.op.inner_outputs,
+                    annotations=self.dasktensor_annotations,
+                    label=self._grad_label(),
+                    inline=node.op.is_inline,
+                    on_unused_input="ignore",
+                )
+                replaced[node] = op(*node.inputs, return_list=True)
+            return [
+                replaced[g.owner][g.owner.outputs.index(g)]
+                if getattr(g, "owner", None) in replaced
+                else g
+                for g in grads
+            ]
 
 
 # ----------------------------------------------------------------------------- recording

@@ -24,6 +24,7 @@ import pytensor
 import pytensor.tensor as pt
 import pytest
 from oracle import assert_matches_default
+from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.ifelse import ifelse
@@ -385,6 +386,22 @@ def test_inplace_through_a_view_across_tasks(run):
     check_plan(f, run)
 
 
+def test_update_in_place_through_a_view_across_tasks(run):
+    """The update of a shared variable overwrites it in place through views, while other
+    nodes still read the old value."""
+    s = pytensor.shared(np.arange(6.0), name="s", shape=(6,))
+    outs = [pt.cumsum(s).sum(), pt.cumsum(s[::2])]
+    f = run([], outs, updates={s: pt.exp(s[1:4] * 0.1).repeat(2)}, n_calls=3)
+    check_plan(f, run)
+
+
+def test_update_in_place_through_a_view_with_heavy(run):
+    s = pytensor.shared(np.linspace(-1.0, 1.0, 6), name="s", shape=(6,))
+    outs = [ident_heavy(s), pt.cumsum(s)[1:]]
+    f = run([], outs, updates={s: pt.exp(s[::-1])}, n_calls=3)
+    check_plan(f, run, heavy=1)
+
+
 def test_intermediate_feeds_two_heavy_nodes_one_consumed_in_place(run):
     """``t`` feeds two heavy nodes, and a cheap stage overwrites ``t`` in place (through a
     view) while the second heavy node still has to read it; the output of the other heavy
@@ -433,6 +450,28 @@ def test_random_heavy_in_the_middle(run):
     outs = [h, w, w - z]
     f = run([], outs, updates={rng: next2}, n_calls=3)
     check_plan(f, run, heavy=1)
+
+
+# ----------------------------------------------------------------------------- OpFromGraph
+
+
+class HeavySubgraph(OpFromGraph):
+    """An OpFromGraph marked heavy: its runner compiles the inner graph ("inner" backend)."""
+
+    dasktensor_heavy = True
+    dasktensor_name = "heavy-subgraph"
+
+
+def test_heavy_op_from_graph(run):
+    a, b = vec("a", 4), vec("b", 4)
+    sub = HeavySubgraph([a, b], [pt.exp(a) * b, pt.cumsum(a + b)])
+    x, y = vec("x", 4), vec("y", 4)
+    p, q = sub(x * 2.0, y)
+    outs = [p + q, q.sum(), sub(p, q)[0]]
+    f = run([x, y], outs, lambda k: [normal(k, 4), normal(k, 4, seed=1)])
+    plan = f.plan
+    assert sum(t.kind == "heavy" for t in plan.tasks) == 2, plan
+    assert {t.name for t in plan.tasks if t.kind == "heavy"} == {"heavy-subgraph"}, plan
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -494,7 +533,7 @@ def test_shared_variable_updates(run):
     b = pytensor.shared(-np.arange(3.0), name="b", shape=(3,))
     x = vec("x", 3)
     updates = {acc: acc + x, count: count + 1, a: b, b: a}  # a and b swap every call
-    outs = [acc * 2, count, a - b]
+    outs = [acc * 2, count, a - b, acc + x]  # the last one is also an update
     f = run([x], outs, lambda k: [normal(k, 3)], updates=updates, n_calls=3)
     check_plan(f, run)
 
@@ -506,7 +545,8 @@ def test_shared_variable_updates_with_heavy(run):
     x = vec("x", 3)
     new_acc = ident_heavy(acc + x)
     updates = {acc: new_acc, a: b, b: a}
-    outs = [new_acc.sum(), acc, a]  # old values of updated shared variables
+    outs = [new_acc.sum(), acc, a, new_acc]  # old values of updated shared variables, and
+    # an output that is also an update
     f = run([x], outs, lambda k: [normal(k, 3)], updates=updates, n_calls=3)
     check_plan(f, run, heavy=1)
 
