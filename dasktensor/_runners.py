@@ -59,6 +59,19 @@ def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
+def _host_compile_lock():
+    """A lock shared by every process of this host that compiles into PyTensor's cache.
+
+    Worker processes on one host share PyTensor's compile directory; compiling into it
+    concurrently has broken runs of PyMC on Dask (pymc-devs/pymc#7819).
+    """
+    import filelock
+    import pytensor
+
+    path = os.path.join(pytensor.config.compiledir, "dasktensor-compile.lock")
+    return filelock.FileLock(path, timeout=600)
+
+
 def _aligned(value):
     """Arrays deserialised from a network frame may be unaligned; compiled code refuses those."""
     if isinstance(value, np.ndarray) and not value.flags.aligned:
@@ -146,7 +159,7 @@ class TaskRunner:
         import pytensor
 
         ins = [In(v, mutable=i in self.destroyed) for i, v in enumerate(fresh)]
-        with _compile_lock:
+        with _compile_lock, _host_compile_lock():
             fn = pytensor.function(
                 ins,
                 outputs,
