@@ -245,7 +245,9 @@ class Plan:
             for t in self.tasks
         ]
 
-    def __str__(self) -> str:
+    def describe(self, nodes: bool = False) -> str:
+        """The plan as text: one line per task, then its op types (or, with ``nodes=True``,
+        every node)."""
         lines = [f"Plan: {len(self.fgraph.apply_nodes)} nodes -> {len(self.tasks)} task(s)"]
         for t in self.tasks:
             deps = ",".join(map(str, t.deps)) or "-"
@@ -254,11 +256,17 @@ class Plan:
                 f"  [{t.index}] {t.name:<24} {t.kind:<6} on {t.where:<7} "
                 f"{len(t.nodes):>5} node(s)  deps: {deps:<8} {t.reason}{ann}"
             )
+            if nodes:
+                lines.extend(f"        {n}" for n in t.nodes)
+                continue
             ops = Counter(type(n.op).__name__ for n in t.nodes)
             shown = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in ops.most_common(6))
             more = f", ... ({len(ops) - 6} more op types)" if len(ops) > 6 else ""
             lines.append(f"        {shown}{more}")
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
 
     __repr__ = __str__
 

@@ -155,3 +155,11 @@ def test_destroyed_inputs_are_reported_for_copying():
     want = pytensor.function([x], [y, a * 2])(np.arange(3.0))
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w)
+
+
+def test_describe_lists_every_node_of_every_task():
+    x = pt.vector("x")
+    plan = plan_of([x], [(Scale()(pt.exp(x)) + 1).sum()])
+    text = plan.describe(nodes=True)
+    for node in plan.fgraph.apply_nodes:
+        assert str(node) in text
