@@ -61,13 +61,16 @@ def _after_fork_in_child() -> None:  # pragma: no cover - runs in forked childre
         from distributed import client as dclient
     except ImportError:
         return
-    for c in list(dclient._global_clients.values()):
-        address = getattr(c, "scheduler_address", None) or getattr(
-            getattr(c, "scheduler", None), "address", None
-        )
-        if address:
+    inherited = [*dclient._global_clients.values(), dclient._current_client.get()]
+    for c in inherited:
+        address = getattr(getattr(c, "scheduler", None), "address", None)
+        if address and address not in _inherited_addresses:
             _inherited_addresses.append(address)
     dclient._global_clients.clear()
+    dclient._current_client.set(None)
+    if dask.config.get("scheduler", None) in ("dask.distributed", "distributed"):
+        # set by the parent's default client; it would make Dask look for that client
+        dask.config.config.pop("scheduler", None)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -197,31 +200,40 @@ class PlanExecutor(TaskGraph):
 
     def _call_distributed(self, client, values):
         tasks = self.plan.tasks
+        cluster = self._cluster
         token = uuid.uuid4().hex
         keys = self.keys(token)
-        results: list = [None] * len(tasks)
-        _check_resources(client, [tasks[i].annotations for i in range(len(tasks))
-                                  if self._cluster[i]])
+        computed: list = [None] * len(tasks)  # outputs of tasks run on the caller
+        futures: list = [None] * len(tasks)
+        _check_resources(client, [t.annotations for t in tasks if cluster[t.index]])
 
         def run_here(i):
-            picks, deps = self._args(i, values, results)
-            results[i] = _run(self.runners[i], picks, *deps)
+            picks, deps = self._args(i, values, futures, computed)
+            computed[i] = _run(self.runners[i], picks, *deps)
 
         # 1. cheap stages feeding the cluster, on the caller
         for t in tasks:
-            if not self._cluster[t.index] and self._feeds_cluster[t.index]:
+            if not cluster[t.index] and self._feeds_cluster[t.index]:
                 run_here(t.index)
-        # 2. cluster tasks, submitted at once (one batch of messages)
-        futures = {}
+        # 2. cluster tasks, submitted at once (one batch of messages); large arrays go to
+        #    the workers once, not once per task that reads them
+        literals = [
+            d
+            for t in tasks
+            if cluster[t.index]
+            for d in self._args(t.index, values, futures, computed)[1]
+            if d is not None  # None stands for a cluster task's future, not known yet
+        ]
+        scattered = _scatter_large(client, literals)
         for t in tasks:
-            if self._cluster[t.index]:
-                picks, deps = self._args(t.index, values, results)
+            if cluster[t.index]:
+                picks, deps = self._args(t.index, values, futures, computed)
                 ann = t.annotations
-                fut = client.submit(
+                futures[t.index] = client.submit(
                     _run,
                     self.runners[t.index],
                     picks,
-                    *deps,
+                    *[scattered.get(id(d), d) for d in deps],
                     key=keys[t.index],
                     pure=False,
                     resources=ann.get("resources"),
@@ -230,29 +242,45 @@ class PlanExecutor(TaskGraph):
                     workers=ann.get("workers"),
                     allow_other_workers=ann.get("allow_other_workers", False),
                 )
-                futures[t.index] = fut
-                results[t.index] = fut
         # 3. caller stages independent of the cluster, while it works
         for t in tasks:
             i = t.index
-            if not self._cluster[i] and not self._feeds_cluster[i] and not self._after_cluster[i]:
+            if not cluster[i] and not self._feeds_cluster[i] and not self._after_cluster[i]:
                 run_here(i)
         # 4. gather what the caller needs, once
         wanted = set()
         for t in tasks:
-            if not self._cluster[t.index] and self._after_cluster[t.index]:
-                wanted.update(d for d in t.deps if self._cluster[d])
-        wanted.update(s[1] for s in self.output_sources if s[0] == "task" and self._cluster[s[1]])
+            if not cluster[t.index] and self._after_cluster[t.index]:
+                wanted.update(d for d in t.deps if cluster[d])
+        wanted.update(s[1] for s in self.output_sources if s[0] == "task" and cluster[s[1]])
         wanted = sorted(wanted)
         if wanted:
-            gathered = client.gather([futures[i] for i in wanted])
-            for i, value in zip(wanted, gathered):
-                results[i] = value
+            for i, value in zip(wanted, client.gather([futures[i] for i in wanted])):
+                computed[i] = value
         # 5. cheap stages after the cluster work, on the caller
         for t in tasks:
-            if not self._cluster[t.index] and self._after_cluster[t.index]:
+            if not cluster[t.index] and self._after_cluster[t.index]:
                 run_here(t.index)
-        return self._outputs(values, results)
+        return self._outputs(values, computed)
+
+
+_SCATTER_BYTES = 1 << 18
+
+
+def _scatter_large(client, deps: list) -> dict[int, Any]:
+    """Send arrays of 256 KiB or more to the workers once, in one call.
+
+    Embedded in the tasks, an array would travel through the scheduler once per task
+    that reads it.  Returns ``{id(array): future}``.
+    """
+    large = {}
+    for d in deps:
+        if getattr(d, "nbytes", 0) >= _SCATTER_BYTES and id(d) not in large:
+            large[id(d)] = d
+    if not large:
+        return {}
+    futures = client.scatter(list(large.values()), hash=False)
+    return dict(zip(large, futures))
 
 
 # ----------------------------------------------------------------------------- resources

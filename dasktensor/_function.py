@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Sequence
 
 import pytensor
@@ -25,28 +24,21 @@ class DaskFunction:
 
     def __init__(self, fn):
         self._fn = fn
-        self._idle: list = [fn]
-        self._lock = threading.Lock()
+        self._idle: list = [fn]  # list.pop/append are atomic: no lock on the hot path
 
     # -- calls --------------------------------------------------------------------------
 
-    def _acquire(self):
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        # another thread is using every copy: make one more (shared variables stay shared)
-        return self._fn.copy(name=self._fn.name)
-
-    def _release(self, fn) -> None:
-        with self._lock:
-            self._idle.append(fn)
-
     def __call__(self, *args, **kwargs):
-        fn = self._acquire()
+        try:
+            fn = self._idle.pop()
+        except IndexError:
+            # every copy is in use by another thread: make one more (shared variables
+            # stay shared between copies)
+            fn = self._fn.copy(name=self._fn.name)
         try:
             return fn(*args, **kwargs)
         finally:
-            self._release(fn)
+            self._idle.append(fn)
 
     async def acall(self, *args, **kwargs):
         """Call the function without blocking the running event loop.
@@ -117,7 +109,7 @@ class DaskFunction:
         self.__init__(state["fn"])
 
     def __getattr__(self, name):
-        if name.startswith("__") or name in ("_fn", "_idle", "_lock"):
+        if name.startswith("__") or name in ("_fn", "_idle"):
             raise AttributeError(name)
         return getattr(self._fn, name)
 

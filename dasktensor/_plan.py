@@ -22,17 +22,27 @@ the whole graph is **one in-process stage**: the DASK mode then costs what PyTen
 mode costs.
 
 Otherwise heavy and costly nodes are *anchors*.  Every other node is coloured by the set of
-anchors among its ancestors, and nodes of one colour form one stage.  Along any path of the
-graph this set only grows, and it grows strictly when the path passes an anchor, so the
+anchors among its ancestors and the set of anchors among its descendants, and nodes of one
+colour form one stage.  Along any path of the graph the first set only grows and the
+second only shrinks, and the first grows strictly when the path passes an anchor; so a
+path between two nodes of one colour passes through nodes of that colour only, and the
 stages and anchors form an acyclic task graph.  Stages that hold only cheap nodes are
 *cheap stages*; the cheap work before, between and after heavy calls thus becomes a handful
 of stages however many nodes it has.
 
-Finally, linear chains are fused: a task whose only consumer is a task whose only producer
+Then linear chains are fused: a task whose only consumer is a task whose only producer
 it is, is merged into it, unless either is a heavy node (which must stay alone).  A branch
 ``dot -> tanh -> dot -> tanh`` thereby becomes one task, so independent branches run in
 parallel while each costs one task.  If this leaves a single costly task and no heavy
 one, the plan falls back to one stage.
+
+Finally, the cheap stages that run on the caller are fused by role: those that feed the
+cluster (run before submitting), those independent of it (run while it works) and those
+after it.  Each union is acyclic: a path between two "feeding" stages only passes through
+nodes without cluster ancestors that lead to the cluster, i.e. "feeding" stages; a path
+between two "after" stages only passes through nodes with cluster ancestors and no cluster
+descendants, i.e. "after" stages; and a path between two independent stages only passes
+through stages without cluster ancestors or descendants.
 
 Where tasks run: heavy and costly tasks run on the cluster's workers; cheap stages run on
 the caller, except those between two cluster tasks, which run on the cluster too (sending
@@ -311,7 +321,7 @@ def plan_graph(
     if n_heavy == 0 and n_costly < 2:
         return _single_stage(fgraph, nodes, "nothing to run in parallel")
 
-    # 1. colour: the set of anchors among each node's ancestors
+    # 1. colour: the anchors among each node's ancestors, and among its descendants
     anchors_above: dict[Apply, frozenset[Apply]] = {}
     for node in nodes:
         above: set[Apply] = set()
@@ -323,16 +333,28 @@ def plan_graph(
                     above.add(owner)
         anchors_above[node] = frozenset(above)
 
+    anchors_below: dict[Apply, frozenset[Apply]] = {}
+    clients = fgraph.clients
+    for node in reversed(nodes):
+        below: set[Apply] = set()
+        for out in node.outputs:
+            for client, _ in clients.get(out, ()):
+                if client in weights:  # skips the graph's output markers
+                    below |= anchors_below[client]
+                    if weights[client][0] != "cheap":
+                        below.add(client)
+        anchors_below[node] = frozenset(below)
+
     # 2. groups: one per anchor, one per colour of the other nodes (in topological order)
     group_of: dict[Apply, int] = {}
     groups: list[list[Apply]] = []
-    colour_group: dict[frozenset[Apply], int] = {}
+    colour_group: dict[tuple[frozenset[Apply], frozenset[Apply]], int] = {}
     for node in nodes:
         if weights[node][0] != "cheap":
             group_of[node] = len(groups)
             groups.append([node])
         else:
-            key = anchors_above[node]
+            key = (anchors_above[node], anchors_below[node])
             if key not in colour_group:
                 colour_group[key] = len(groups)
                 groups.append([])
@@ -365,9 +387,9 @@ def plan_graph(
                 break
 
     # 4. the caller runs its cheap stages one after another anyway: fuse them into one
-    #    stage before the cluster work and one after it.  Both unions stay acyclic: a path
-    #    between two "before" stages only passes nodes without cluster ancestors that feed
-    #    the second stage, i.e. "before" stages; likewise for "after" stages.
+    #    stage that feeds the cluster, one that runs beside it (while the cluster works) and
+    #    one after it.  Each union stays acyclic: a path between two stages of one kind only
+    #    passes through stages of that kind (see the module docstring).
     preds, succs = _block_dag(nodes, lambda n: find(group_of[n]))
     order = _toposort_blocks(preds, key=lambda r: r)
     cluster = {r: False for r in preds}
@@ -380,9 +402,10 @@ def plan_graph(
     below = {r: False for r in preds}
     for r in reversed(order):
         below[r] = any(cluster[s] or below[s] for s in succs[r])
-    before = [r for r in order if not cluster[r] and not above[r]]
+    feeding = [r for r in order if not cluster[r] and not above[r] and below[r]]
+    aside = [r for r in order if not cluster[r] and not above[r] and not below[r]]
     after = [r for r in order if not cluster[r] and above[r] and not below[r]]
-    for same_side in (before, after):
+    for same_side in (feeding, aside, after):
         for r in same_side[1:]:
             parent[find(r)] = find(same_side[0])
 
@@ -500,11 +523,14 @@ def _make_plan(fgraph: FunctionGraph, blocks: list[list[Apply]], weights) -> Pla
             between = above_cluster[new] and below_cluster[new]
             where = "cluster" if between else "caller"
             name = "stage-" + _dominant_label(block)
-            reason = (
-                "cheap nodes between cluster tasks"
-                if between
-                else f"cheap nodes {'after' if above_cluster[new] else 'before'} heavy work"
-            )
+            if between:
+                reason = "cheap nodes between cluster tasks"
+            elif above_cluster[new]:
+                reason = "cheap nodes after heavy work"
+            elif below_cluster[new]:
+                reason = "cheap nodes before heavy work"
+            else:
+                reason = "cheap nodes beside heavy work (run while it runs)"
             annotations = {}
         tasks.append(
             Task(

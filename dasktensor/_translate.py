@@ -68,19 +68,34 @@ class TaskGraph:
     def keys(self, token: str) -> list[str]:
         return [f"{t.name}-{t.index}-{token}" for t in self.plan.tasks]
 
-    def _args(self, index: int, values: Sequence, refs: Sequence) -> tuple[tuple, list]:
-        """``picks`` and dependency arguments of one task."""
+    def _args(
+        self, index: int, values: Sequence, refs: Sequence, computed: Sequence = ()
+    ) -> tuple[tuple, list]:
+        """``picks`` and dependency arguments of one task.
+
+        ``refs[t]`` stands for the (tuple) result of task ``t``: a ``TaskRef`` or a Future.
+        Where ``computed[t]`` holds task ``t``'s outputs already (run on the caller), the
+        task gets just the outputs it reads, not the whole tuple.
+        """
         picks, deps, where = [], [], {}
         for src in self.sources[index]:
-            if src[0] == "task":
+            if src[0] == "task" and not (computed and computed[src[1]] is not None):
                 _, t, j = src
                 if ("task", t) not in where:
                     where[("task", t)] = len(deps)
                     deps.append(refs[t])
                 picks.append((where[("task", t)], j))
+                continue
+            if src[0] == "task":
+                value = computed[src[1]][src[2]]
+            elif src[0] == "input":
+                value = values[src[1]]
             else:
-                picks.append((len(deps), None))
-                deps.append(values[src[1]] if src[0] == "input" else src[1])
+                value = src[1]
+            if id(value) not in where:
+                where[id(value)] = len(deps)
+                deps.append(value)
+            picks.append((where[id(value)], None))
         return tuple(picks), deps
 
     def graph(self, values: Sequence, token: str | None = None) -> tuple[dict, list[str]]:

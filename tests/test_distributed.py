@@ -42,7 +42,8 @@ def test_annotated_tasks_run_only_on_the_worker_with_the_resource(mixed_cluster)
     for k in range(4):
         with dt.annotate(resources={"GPU": 1}, name="on-gpu"):
             y = pt.exp(x * (k + 1.0))
-        outs.append(Scale(k + 1.0, delay=0.05)(y).sum())  # unannotated: any worker
+        outs.append(y.sum())
+        outs.append(Scale(k + 1.0, delay=0.2)(x).sum())  # unannotated: any worker
     with Client(mixed_cluster, set_as_default=False) as client:
         client.wait_for_workers(2)
         f = dt.function([x], sum(outs), scheduler=client)

@@ -163,3 +163,17 @@ def test_describe_lists_every_node_of_every_task():
     text = plan.describe(nodes=True)
     for node in plan.fgraph.apply_nodes:
         assert str(node) in text
+
+
+def test_caller_work_independent_of_the_cluster_gets_its_own_stage():
+    x = pt.vector("x")
+    side = x
+    for i in range(20):
+        side = pt.cos(side) + i
+    plan = plan_of([x], [Scale()(pt.exp(x)).sum() + side.sum()])
+    reasons = [t.reason for t in plan.tasks if t.where == "caller"]
+    assert any(r.startswith("cheap nodes beside") for r in reasons), plan
+    assert any(r.startswith("cheap nodes before") for r in reasons), plan
+    (heavy,) = [t for t in plan.tasks if t.kind == "heavy"]
+    (beside,) = [t for t in plan.tasks if t.reason.startswith("cheap nodes beside")]
+    assert beside.index not in heavy.deps
