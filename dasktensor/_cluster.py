@@ -50,7 +50,8 @@ def connect(
         Defaults from ``dasktensor.cluster.*``.
     host, scheduler_port, dashboard_address
         Embedded cluster only: where the scheduler and the dashboard listen (default
-        ``127.0.0.1``, a free port, and ``dasktensor.cluster.dashboard-address``).
+        ``127.0.0.1``, a free port, and ``dasktensor.cluster.dashboard-address``);
+        ``dashboard_address=False`` starts no dashboard.
     timeout : float or str, optional
         How long to wait for the scheduler (``dasktensor.connect-timeout``).
     set_as_default : bool
@@ -71,7 +72,7 @@ def connect(
     Examples
     --------
     >>> import dasktensor as dt
-    >>> client = dt.connect(n_workers=1, dashboard_address=None)  # doctest: +SKIP
+    >>> client = dt.connect(n_workers=1, dashboard_address=False)  # doctest: +SKIP
     >>> client.close()  # doctest: +SKIP
     """
     from dask.utils import parse_timedelta
@@ -108,13 +109,22 @@ def connect(
             threads_per_worker if threads_per_worker is not None else cfg["threads-per-worker"]
         ),
         "processes": processes if processes is not None else cfg["processes"],
-        "dashboard_address": (
-            dashboard_address if dashboard_address is not None else cfg["dashboard-address"]
-        ),
         "host": host,
         "scheduler_port": scheduler_port,
         **cluster_kwargs,
     }
+    dashboard = dashboard_address if dashboard_address is not None else cfg["dashboard-address"]
+    if dashboard:
+        kwargs["dashboard_address"] = dashboard
+    else:
+        # no dashboard; the scheduler's HTTP server (health, metrics) still starts, and
+        # would otherwise take port 8787 on every interface
+        kwargs["dashboard_address"] = None
+        kwargs["scheduler_kwargs"] = {
+            **kwargs.get("scheduler_kwargs", {}),
+            "dashboard": False,
+            "dashboard_address": f"{host}:0",
+        }
     if resources is not None:
         kwargs["resources"] = dict(resources)
     # a task asking for resources that no worker offers fails instead of waiting forever

@@ -18,7 +18,9 @@ def _cluster(**kwargs):
     kwargs.setdefault("n_workers", 2)
     kwargs.setdefault("threads_per_worker", 1)
     kwargs.setdefault("processes", True)
+    # no dashboard, and the scheduler's HTTP server on a free loopback port, not 8787
     kwargs.setdefault("dashboard_address", None)
+    kwargs.setdefault("scheduler_kwargs", {"dashboard": False, "dashboard_address": "127.0.0.1:0"})
     return LocalCluster(host="127.0.0.1", **kwargs)
 
 

@@ -13,8 +13,32 @@ from _ops import Scale
 import dasktensor as dt
 
 
-def test_embedded_cluster_listens_on_loopback_and_becomes_the_default():
-    client = dt.connect(n_workers=1, dashboard_address=None)
+def listening_addresses(pid: int) -> set[str]:
+    import psutil
+
+    process = psutil.Process(pid)
+    found = set()
+    for p in [process, *process.children(recursive=True)]:
+        for conn in p.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN:
+                found.add(conn.laddr.ip)
+    return found
+
+
+@pytest.mark.parametrize("dashboard", ["127.0.0.1:0", False])
+def test_embedded_cluster_listens_on_loopback_only(dashboard):
+    import os
+
+    client = dt.connect(n_workers=1, dashboard_address=dashboard, set_as_default=False)
+    try:
+        assert listening_addresses(os.getpid()) <= {"127.0.0.1"}
+    finally:
+        client.shutdown()
+        client.close()
+
+
+def test_embedded_cluster_becomes_the_default_client():
+    client = dt.connect(n_workers=1, dashboard_address=False)
     try:
         assert client.scheduler.address.startswith("tcp://127.0.0.1:")
         workers = client.scheduler_info(n_workers=-1)["workers"]
