@@ -103,9 +103,9 @@ def compare(
 
 
 def fmt_time(seconds: float) -> str:
-    if seconds < 1e-3:
+    if abs(seconds) < 1e-3:
         return f"{seconds * 1e6:.1f} us"
-    if seconds < 1:
+    if abs(seconds) < 1:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds:.3f} s"
 
@@ -151,11 +151,18 @@ def local_cluster(n_workers: int, threads_per_worker: int = 1, **kwargs):
     from distributed import Client, LocalCluster
 
     env = dict(SINGLE_THREAD_ENV)
+    # the same PyTensor 2.38 BLAS warning as in quiet(), once per worker otherwise
+    env["PYTHONWARNINGS"] = "ignore:PyTensor could not link to a BLAS"
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in [HERE, os.environ.get("PYTHONPATH", "")] if p
     )
     kwargs.setdefault("processes", True)
-    kwargs.setdefault("dashboard_address", None)
+    kwargs.setdefault("dashboard_address", None)  # no dashboard...
+    # ...but the scheduler still serves its HTTP routes (health, metrics), by default on
+    # port 8787, which another cluster on this shared machine may hold: use any free port
+    kwargs.setdefault(
+        "scheduler_kwargs", {"dashboard": False, "dashboard_address": "127.0.0.1:0"}
+    )
     kwargs.setdefault("silence_logs", logging.ERROR)
     # pre-spawn: set before the worker interpreter starts, so BLAS reads it at load time
     with dask.config.set({"distributed.nanny.pre-spawn-environ": env}):
@@ -250,6 +257,19 @@ def print_rows(rows: Sequence[Row], title: str = "") -> None:
     )
 
 
+def load_average() -> float:
+    """The machine's 1-minute load average (other processes compete for the 2 cores)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not on Unix
+        return float("nan")
+
+
+def load_row(benchmark: str) -> Row:
+    """An information row with the current load average, to read the timings against."""
+    return Row(benchmark, f"load avg 1 min ({os.cpu_count()} cores)", round(load_average(), 2))
+
+
 def versions_line() -> str:
     import dask
     import numpy
@@ -262,6 +282,7 @@ def versions_line() -> str:
     except Exception:  # pragma: no cover
         pymc = "?"
     return (
+        f"load avg {load_average():.2f} on {os.cpu_count()} cores; "
         f"python {sys.version.split()[0]}, pytensor {pytensor.__version__}, pymc {pymc}, "
         f"dask {dask.__version__}, numpy {numpy.__version__}, "
         f"linker {type(__import__('pytensor').compile.mode.get_mode('FAST_RUN').linker).__name__}"

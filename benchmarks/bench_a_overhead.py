@@ -22,7 +22,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Row, compare, print_ratio_table, print_rows, quiet, versions_line  # noqa: E402
+from _common import (  # noqa: E402
+    Row,
+    compare,
+    load_row,
+    print_ratio_table,
+    print_rows,
+    quiet,
+    versions_line,
+)
 
 NAME = "a-overhead"
 N_GROUPS = 20
@@ -61,7 +69,7 @@ def compile_logp_dlogp(model, mode=None):
     return fn
 
 
-def main(repeat: int = 21, number: int = 300) -> list[Row]:
+def main(repeat: int = 601, number: int = 20) -> list[Row]:
     quiet()
     import numpy as np
     from pymc.blocking import DictToArrayBijection
@@ -73,6 +81,7 @@ def main(repeat: int = 21, number: int = 300) -> list[Row]:
     model = build_model()
     f_default = compile_logp_dlogp(model)
     f_dask = compile_logp_dlogp(model, "DASK")
+    f_default2 = compile_logp_dlogp(model)  # A/A control: the noise floor of the ratio
 
     linker = f_dask._pytensor_function.maker.linker
     assert isinstance(linker, DaskLinker), type(linker)
@@ -96,6 +105,7 @@ def main(repeat: int = 21, number: int = 300) -> list[Row]:
         {
             "default (ValueGradFunction)": lambda: f_default(x0),
             "DASK (ValueGradFunction)": lambda: f_dask(x0),
+            "default again (A/A control)": lambda: f_default2(x0),
             "default (raw Function)": lambda: raw_default(x0),
             "DASK (raw Function)": lambda: raw_dask(x0),
             "DASK (raw, DaskFunction wrapper)": lambda: wrapped(x0),
@@ -105,7 +115,8 @@ def main(repeat: int = 21, number: int = 300) -> list[Row]:
         warmup=50,
     )
     print_ratio_table(
-        {k: times[k] for k in ("default (ValueGradFunction)", "DASK (ValueGradFunction)")},
+        {k: times[k] for k in ("default (ValueGradFunction)", "DASK (ValueGradFunction)",
+                               "default again (A/A control)")},
         "default (ValueGradFunction)",
         title=f"per-call median, {repeat} interleaved samples x {number} calls",
     )
@@ -122,8 +133,11 @@ def main(repeat: int = 21, number: int = 300) -> list[Row]:
         Row(NAME, "DASK per call", times["DASK (ValueGradFunction)"], unit="s"),
         Row(NAME, "DASK/default (logp_dlogp_function)", ratio, 1.05),
         Row(NAME, "DASK/default (raw Function)", raw_ratio, 1.05),
+        Row(NAME, "default#2/default (A/A noise control)",
+            times["default again (A/A control)"] / times["default (ValueGradFunction)"]),
         Row(NAME, "DaskFunction wrapper/default (raw)",
             times["DASK (raw, DaskFunction wrapper)"] / times["default (raw Function)"]),
+        load_row(NAME),
     ]
     print_rows(rows, title=f"[{NAME}] summary")
     return rows

@@ -7,9 +7,10 @@ Both Ops set ``dasktensor_heavy = True``: the planner gives each node a task of 
 so a PyMC logp/dlogp function that contains them is a multi-task plan that really runs on
 a Dask scheduler (the threaded one, or a distributed client).
 
-Every ``perform`` records, once per (log file, process, thread, Op class), where it ran: into the
-file named by the environment variable :data:`LOG_ENV` when it is set.  Tests read that
-file to see that heavy tasks ran in Dask's threads inside PyMC's sampler processes.
+Every ``perform`` records where it ran, once per (log file, process, thread, Op class),
+into the file named by the environment variable :data:`LOG_ENV` when it is set.  Tests
+read that file to see that heavy tasks ran in Dask's threads inside PyMC's sampler
+processes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,49 @@
+"""Run the three dasktensor benchmarks and print one summary table.
+
+Run: ``python benchmarks/run_all.py`` (optionally with names: ``python
+benchmarks/run_all.py a c``).  Each benchmark prints its own details first; the table
+at the end has one row per metric: benchmark, metric, measured, target, met?.  Timings
+on a small shared machine are noisy: read them with the load-average rows and the
+raw-Dask floors printed beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import Row, print_rows, quiet, versions_line  # noqa: E402
+
+BENCHMARKS = {
+    "a": "bench_a_overhead",
+    "b": "bench_b_branches",
+    "c": "bench_c_cheap_heavy",
+}
+
+
+def main(names: list[str] | None = None) -> list[Row]:
+    import importlib
+
+    quiet()
+    rows: list[Row] = []
+    for key in names or list(BENCHMARKS):
+        module = importlib.import_module(BENCHMARKS[key])
+        print(f"\n{'=' * 30} {BENCHMARKS[key]} {'=' * 30}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            rows += module.main()
+        except Exception:  # report and go on with the other benchmarks
+            traceback.print_exc()
+            rows.append(Row(module.NAME, "FAILED (see traceback)", float("nan"), 0))
+        print(f"[{module.NAME}] ran in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"\n{versions_line()}")
+    print_rows(rows, title="ALL BENCHMARKS")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or None)
