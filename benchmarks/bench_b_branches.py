@@ -31,12 +31,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (  # noqa: E402
+from _common import (
     Row,
-    load_row,
     blas_threads,
     compare,
     limit_blas,
+    load_row,
     local_cluster,
     print_ratio_table,
     print_rows,
@@ -84,7 +84,6 @@ def main(repeat: int = 11, warmup: int = 4) -> list[Row]:
     quiet()
     import numpy as np
     import pytensor
-
     from pytensor.compile.sharedvalue import SharedVariable
     from pytensor.graph.basic import graph_inputs
 

@@ -34,11 +34,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (  # noqa: E402
+from _common import (
     Row,
-    load_row,
     compare,
     fmt_time,
+    load_row,
     local_cluster,
     print_rows,
     print_table,
@@ -70,7 +70,6 @@ def _chain(h, n_nodes: int):
 def build_graph():
     """Input ``x`` (8 elements) and the scalar output described in the module docstring."""
     import pytensor.tensor as pt
-
     from _ops import Sleep
 
     x = pt.vector("x", shape=(SIZE,))
@@ -85,7 +84,6 @@ def build_graph():
 def raw_threaded_floor():
     """4 bare sleeps on Dask's threaded scheduler (the config sets num_workers)."""
     import dask.threaded
-
     from _ops import sleep_seconds
 
     dsk = {f"sleep-{i}": (sleep_seconds, SLEEP) for i in range(HEAVY)}
@@ -98,9 +96,9 @@ def main(repeat: int = 21, warmup: int = 3) -> list[Row]:
 
     import dask
     import numpy as np
+    from _ops import sleep_seconds
 
     import dasktensor as dt
-    from _ops import sleep_seconds
 
     print(f"[{NAME}] {versions_line()}")
     x, y = build_graph()

@@ -16,7 +16,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Row, print_rows, quiet, versions_line  # noqa: E402
+from _common import Row, print_rows, quiet, versions_line
 
 BENCHMARKS = {
     "a": "bench_a_overhead",

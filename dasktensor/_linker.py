@@ -53,7 +53,9 @@ class DaskLinker(type(_BACKEND_LINKER)):
     """
 
     required_rewrites = _BACKEND_LINKER.required_rewrites
-    incompatible_rewrites = _BACKEND_LINKER.incompatible_rewrites
+    # PyTensor 3 moves IfElse branches into inner graphs ("lazy_ifelse"); a heavy node in a
+    # branch would then vanish from the plan into a stage.  Branches stay in the outer graph.
+    incompatible_rewrites = (*_BACKEND_LINKER.incompatible_rewrites, "introduce_lazy_ifelse")
 
     def __init__(self, scheduler=None, heavy_flops: float | None = None, **_ignored):
         # the backend linker's own settings do not apply: stages use a fresh backend linker

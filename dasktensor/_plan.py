@@ -210,16 +210,28 @@ class Task:
     def destroyed_inputs(self) -> tuple[int, ...]:
         """Positions of inputs that a node of this task overwrites in place.
 
-        The executor copies these before running the task, so that no task can corrupt
-        a value that another task (or the caller) also reads.
+        An input counts when a node destroys it directly or destroys a view of it made
+        inside the task (``x[1:]`` updated in place overwrites ``x``).  The executor copies
+        these inputs before running the task, so that no task can corrupt a value that
+        another task (or the caller) also reads.
         """
         positions = {v: i for i, v in enumerate(self.inputs)}
+        in_task = set(self.nodes)
         out = set()
         for node in self.nodes:
             for idx in getattr(node.op, "destroy_map", {}).values():
                 for i in idx:
-                    if node.inputs[i] in positions:
-                        out.add(positions[node.inputs[i]])
+                    var = node.inputs[i]
+                    # walk up the views made inside the task to the buffer's owner
+                    while var not in positions and var.owner in in_task:
+                        viewed = getattr(var.owner.op, "view_map", {}).get(
+                            var.owner.outputs.index(var)
+                        )
+                        if not viewed:
+                            break
+                        var = var.owner.inputs[viewed[0]]
+                    if var in positions:
+                        out.add(positions[var])
         return tuple(sorted(out))
 
 

@@ -29,6 +29,7 @@ from pytensor.graph.basic import Constant
 from dasktensor._plan import Plan
 from dasktensor._runners import TaskRunner
 
+
 def _run(runner: TaskRunner, picks: tuple, *deps):
     """Task body: pick the runner's inputs out of its dependencies' values and run it.
 

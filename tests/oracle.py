@@ -9,8 +9,9 @@ times and compares, after every call,
   states for random generators), with dtypes, shapes and container types;
 * the value of every shared variable either function reads or updates (so updates,
   including random generator updates, must agree call after call);
-* the arguments passed by the caller, which neither function may modify;
-* the outputs returned by earlier calls, which later calls may not overwrite.
+* the arguments passed to the dasktensor function, which it may not modify;
+* the outputs the dasktensor function returned earlier, which later calls may not
+  overwrite.
 
 Both functions share the graph and therefore its shared variables.  The oracle keeps them
 independent by snapshotting every shared value before each call and restoring it before

@@ -138,7 +138,6 @@ def test_mark_heavy_rejects_non_ops():
 
 
 def test_destroyed_inputs_are_reported_for_copying():
-    from pytensor.tensor.rewriting.basic import  register_canonicalize  # noqa: F401
     import pytensor
 
     x = pt.vector("x")
