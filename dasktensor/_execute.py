@@ -31,6 +31,7 @@ from typing import Any
 import dask
 import dask.threaded
 from dask.base import get_scheduler
+from pytensor.compile.sharedvalue import SharedVariable
 
 from dasktensor import _config
 from dasktensor._plan import Plan
@@ -170,19 +171,11 @@ class PlanExecutor(TaskGraph):
     def __init__(self, plan: Plan, scheduler: SchedulerRef):
         super().__init__(plan)
         self.scheduler = scheduler
-        tasks = plan.tasks
-        cluster = [t.where == "cluster" for t in tasks]
-        feeds_cluster = [False] * len(tasks)  # caller stages whose outputs a cluster task reads
-        for t in reversed(tasks):
-            if cluster[t.index] or feeds_cluster[t.index]:
-                for d in t.deps:
-                    feeds_cluster[d] = True
-        after_cluster = [False] * len(tasks)  # tasks that wait for cluster results
-        for t in tasks:
-            after_cluster[t.index] = any(cluster[d] or after_cluster[d] for d in t.deps)
-        self._cluster = cluster
-        self._feeds_cluster = feeds_cluster
-        self._after_cluster = after_cluster
+        self.shared_inputs = [
+            i for i, v in enumerate(plan.fgraph.inputs) if isinstance(v, SharedVariable)
+        ]
+        # (client id, input position) -> (value, future of it on the cluster)
+        self._resident: dict[tuple[int, int | None], tuple[Any, Any]] = {}
 
     # -- calls ----------------------------------------------------------------------------
 
@@ -200,87 +193,103 @@ class PlanExecutor(TaskGraph):
 
     def _call_distributed(self, client, values):
         tasks = self.plan.tasks
-        cluster = self._cluster
         token = uuid.uuid4().hex
         keys = self.keys(token)
         computed: list = [None] * len(tasks)  # outputs of tasks run on the caller
         futures: list = [None] * len(tasks)
-        _check_resources(client, [t.annotations for t in tasks if cluster[t.index]])
+        cluster = [t for t in tasks if t.role == "cluster"]
+        _check_resources(client, [t.annotations for t in cluster])
 
-        def run_here(i):
-            picks, deps = self._args(i, values, futures, computed)
-            computed[i] = _run(self.runners[i], picks, *deps)
+        def run_here(role):
+            for t in tasks:
+                if t.role == role:
+                    picks, deps = self._args(t.index, values, futures, computed)
+                    computed[t.index] = _run(self.runners[t.index], picks, *deps)
 
         # 1. cheap stages feeding the cluster, on the caller
-        for t in tasks:
-            if not cluster[t.index] and self._feeds_cluster[t.index]:
-                run_here(t.index)
+        run_here("before")
         # 2. cluster tasks, submitted at once (one batch of messages); large arrays go to
         #    the workers once, not once per task that reads them
-        literals = [
-            d
-            for t in tasks
-            if cluster[t.index]
-            for d in self._args(t.index, values, futures, computed)[1]
-            if d is not None  # None stands for a cluster task's future, not known yet
-        ]
-        scattered = _scatter_large(client, literals)
-        for t in tasks:
-            if cluster[t.index]:
-                picks, deps = self._args(t.index, values, futures, computed)
-                ann = t.annotations
-                futures[t.index] = client.submit(
-                    _run,
-                    self.runners[t.index],
-                    picks,
-                    *[scattered.get(id(d), d) for d in deps],
-                    key=keys[t.index],
-                    pure=False,
-                    resources=ann.get("resources"),
-                    retries=ann.get("retries"),
-                    priority=ann.get("priority", 0),
-                    workers=ann.get("workers"),
-                    allow_other_workers=ann.get("allow_other_workers", False),
-                )
+        readers: dict[int, int] = {}  # id(literal) -> number of cluster tasks reading it
+        literals = []
+        for t in cluster:
+            deps = self._args(t.index, values, futures, computed)[1]
+            for d in {id(d): d for d in deps if d is not None}.values():  # None: a future
+                readers[id(d)] = readers.get(id(d), 0) + 1
+                literals.append(d)
+        scattered = self._scatter_large(client, literals, values, readers)
+        for t in cluster:
+            picks, deps = self._args(t.index, values, futures, computed)
+            ann = t.annotations
+            futures[t.index] = client.submit(
+                _run,
+                self.runners[t.index],
+                picks,
+                *[scattered.get(id(d), d) for d in deps],
+                key=keys[t.index],
+                pure=False,
+                resources=ann.get("resources"),
+                retries=ann.get("retries"),
+                priority=ann.get("priority", 0),
+                workers=ann.get("workers"),
+                allow_other_workers=ann.get("allow_other_workers", False),
+            )
         # 3. caller stages independent of the cluster, while it works
-        for t in tasks:
-            i = t.index
-            if not cluster[i] and not self._feeds_cluster[i] and not self._after_cluster[i]:
-                run_here(i)
+        run_here("beside")
         # 4. gather what the caller needs, once
-        wanted = set()
-        for t in tasks:
-            if not cluster[t.index] and self._after_cluster[t.index]:
-                wanted.update(d for d in t.deps if cluster[d])
-        wanted.update(s[1] for s in self.output_sources if s[0] == "task" and cluster[s[1]])
+        wanted = {d for t in tasks if t.role == "after" for d in t.deps if futures[d] is not None}
+        wanted.update(
+            s[1] for s in self.output_sources if s[0] == "task" and futures[s[1]] is not None
+        )
         wanted = sorted(wanted)
         if wanted:
             for i, value in zip(wanted, client.gather([futures[i] for i in wanted])):
                 computed[i] = value
         # 5. cheap stages after the cluster work, on the caller
-        for t in tasks:
-            if not cluster[t.index] and self._after_cluster[t.index]:
-                run_here(t.index)
+        run_here("after")
         return self._outputs(values, computed)
 
 
+    def _scatter_large(self, client, deps: list, values: Sequence, readers: dict) -> dict:
+        """Send arrays of 256 KiB or more to the workers once; returns ``{id: future}``.
+
+        Embedded in the tasks, an array would travel through the scheduler once per task
+        that reads it, on every call.  An array read by several tasks goes to every worker
+        (otherwise the tasks would crowd on the worker that holds it); one read by a single
+        task goes to one worker, spread round-robin, and its task follows it.
+
+        Values of shared variables (weights, data) stay on the workers between calls for as
+        long as the variable holds the same object: ``set_value`` and updates put a new
+        object there, which is sent again.  (Arrays changed in place through
+        ``get_value(borrow=True)`` are not seen, as PyTensor's borrow semantics allow.)
+        """
+        large = {}
+        for d in deps:
+            if getattr(d, "nbytes", 0) >= _SCATTER_BYTES and id(d) not in large:
+                large[id(d)] = d
+        if not large:
+            return {}
+        shared_pos = {id(values[i]): i for i in self.shared_inputs}
+        out: dict = {}
+        fresh: dict[bool, list[int]] = {True: [], False: []}  # broadcast? -> ids
+        for key, value in large.items():
+            cached = self._resident.get((id(client), shared_pos.get(key)))
+            if cached is not None and cached[0] is value and cached[1].status == "finished":
+                out[key] = cached[1]
+            else:
+                fresh[readers.get(key, 1) > 1].append(key)
+        for broadcast, keys in fresh.items():
+            if not keys:
+                continue
+            futures = client.scatter([large[k] for k in keys], hash=False, broadcast=broadcast)
+            for key, future in zip(keys, futures):
+                out[key] = future
+                if key in shared_pos:
+                    self._resident[(id(client), shared_pos[key])] = (large[key], future)
+        return out
+
+
 _SCATTER_BYTES = 1 << 18
-
-
-def _scatter_large(client, deps: list) -> dict[int, Any]:
-    """Send arrays of 256 KiB or more to the workers once, in one call.
-
-    Embedded in the tasks, an array would travel through the scheduler once per task
-    that reads it.  Returns ``{id(array): future}``.
-    """
-    large = {}
-    for d in deps:
-        if getattr(d, "nbytes", 0) >= _SCATTER_BYTES and id(d) not in large:
-            large[id(d)] = d
-    if not large:
-        return {}
-    futures = client.scatter(list(large.values()), hash=False)
-    return dict(zip(large, futures))
 
 
 # ----------------------------------------------------------------------------- resources

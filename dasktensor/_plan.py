@@ -198,13 +198,20 @@ class Task:
     index: int
     name: str
     kind: Literal["stage", "heavy"]
-    where: Literal["caller", "cluster"]
+    #: when and where the task runs: on the cluster, or on the caller before submitting
+    #: the cluster's work, beside it (while the cluster works) or after it
+    role: Literal["cluster", "before", "beside", "after"]
     nodes: tuple[Apply, ...]
     inputs: tuple[Variable, ...]
     outputs: tuple[Variable, ...]
     deps: tuple[int, ...]
     reason: str
     annotations: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def where(self) -> Literal["caller", "cluster"]:
+        """Where the task runs when a distributed client executes the plan."""
+        return "cluster" if self.role == "cluster" else "caller"
 
     @property
     def destroyed_inputs(self) -> tuple[int, ...]:
@@ -252,13 +259,14 @@ class Plan:
 
     @property
     def table(self) -> list[dict[str, object]]:
-        """One row per task: index, key prefix, kind, where it runs, size and reason."""
+        """One row per task: index, key prefix, kind, where and when it runs, size, reason."""
         return [
             {
                 "task": t.index,
                 "name": t.name,
                 "kind": t.kind,
                 "where": t.where,
+                "role": t.role,
                 "nodes": len(t.nodes),
                 "deps": list(t.deps),
                 "reason": t.reason,
@@ -443,7 +451,7 @@ def _single_stage(fgraph: FunctionGraph, nodes: list[Apply], reason: str) -> Pla
         index=0,
         name="stage-" + _dominant_label(nodes),
         kind="stage",
-        where="caller",
+        role="beside",
         nodes=tuple(nodes),
         inputs=tuple(fgraph.inputs),
         outputs=tuple(fgraph.outputs),
@@ -520,36 +528,34 @@ def _make_plan(fgraph: FunctionGraph, blocks: list[list[Apply]], weights) -> Pla
         heavy_nodes = [n for n in block if weights[n][0] == "heavy"]
         if heavy_nodes:
             (node,) = heavy_nodes  # heavy nodes are never fused
-            kind, where = "heavy", "cluster"
+            kind, role = "heavy", "cluster"
             name = op_label(node.op)
             reason = weights[node][1]
             annotations = dict(getattr(node.op, "dasktensor_annotations", None) or {})
         elif heavy_or_costly[new]:
-            kind, where = "stage", "cluster"
+            kind, role = "stage", "cluster"
             costly = [n for n in block if weights[n][0] == "costly"]
             name = "work-" + _dominant_label(costly)
             reason = f"{len(costly)} costly node(s): {weights[costly[0]][1]}"
             annotations = {}
         else:
             kind = "stage"
-            between = above_cluster[new] and below_cluster[new]
-            where = "cluster" if between else "caller"
             name = "stage-" + _dominant_label(block)
-            if between:
-                reason = "cheap nodes between cluster tasks"
+            if above_cluster[new] and below_cluster[new]:
+                role, reason = "cluster", "cheap nodes between cluster tasks"
             elif above_cluster[new]:
-                reason = "cheap nodes after heavy work"
+                role, reason = "after", "cheap nodes after heavy work"
             elif below_cluster[new]:
-                reason = "cheap nodes before heavy work"
+                role, reason = "before", "cheap nodes before heavy work"
             else:
-                reason = "cheap nodes beside heavy work (run while it runs)"
+                role, reason = "beside", "cheap nodes beside heavy work (run while it runs)"
             annotations = {}
         tasks.append(
             Task(
                 index=new,
                 name=name,
                 kind=kind,
-                where=where,
+                role=role,
                 nodes=tuple(block),
                 inputs=tuple(inputs),
                 outputs=tuple(outputs),

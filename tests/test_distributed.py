@@ -144,3 +144,18 @@ def test_a_killed_worker_is_recomputed_elsewhere():
         assert float(f(np.full(2, 2.0))) == 20.0
         killer.join()
         assert len(client.run(os.getpid)) == 2  # the nanny restarted the worker
+
+
+def test_shared_weights_stay_on_the_cluster_until_they_change(client):
+    w = pytensor.shared(np.ones(70_000), name="w")  # 560 kB: scattered, not embedded
+    x = pt.vector("x")
+    out = Scale(2.0)(x * w).sum() + Scale(3.0)(w).sum()
+    f = dt.function([x], out, scheduler=client)
+    executor = f.maker.linker.executor
+    assert float(f(np.ones(70_000))) == 5 * 70_000
+    (first,) = {future.key for _, future in executor._resident.values()}
+    assert float(f(np.full(70_000, 2.0))) == 7 * 70_000
+    assert {future.key for _, future in executor._resident.values()} == {first}
+    w.set_value(np.full(70_000, 2.0))  # a new value is sent again, never a stale one
+    assert float(f(np.ones(70_000))) == 10 * 70_000
+    assert {future.key for _, future in executor._resident.values()} != {first}
