@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import dask
 import numpy as np
 import pytensor.tensor as pt
@@ -64,11 +62,10 @@ def test_connect_to_a_running_cluster_by_address_and_by_config(process_cluster):
             assert c.scheduler.address == address
 
 
+@pytest.mark.timeout(60)  # a hang instead of the error fails here
 def test_unreachable_scheduler_fails_within_the_timeout_with_advice():
-    t0 = time.monotonic()
     with pytest.raises(ConnectionError, match="dask scheduler") as info:
         dt.connect("tcp://127.0.0.1:9", timeout=1)
-    assert time.monotonic() - t0 < 10
     assert "tcp://127.0.0.1:9" in str(info.value)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import dask
 import numpy as np
@@ -61,17 +60,16 @@ def test_annotated_tasks_run_only_on_the_worker_with_the_resource(mixed_cluster)
         assert len(ran["scale-heavy"]) == 2, "unannotated tasks should use both workers"
 
 
+@pytest.mark.timeout(120)  # a task waiting forever for its resource fails here
 def test_missing_resource_fails_with_a_clear_error_after_the_timeout(mixed_cluster):
     x = pt.vector("x")
     with dt.annotate(resources={"TPU": 1}):
         y = pt.exp(x)
     with Client(mixed_cluster, set_as_default=False) as client:
         f = dt.function([x], y.sum(), scheduler=client)
-        t0 = time.monotonic()
         with dask.config.set({"dasktensor.placement.resource-timeout": "1s"}):
             with pytest.raises(dt.NoWorkerWithResourcesError, match=r"\{'TPU': 1\}") as info:
                 f(np.ones(3))
-        assert time.monotonic() - t0 < 10
         assert "dask worker" in str(info.value) and "GPU" in str(info.value)
 
 
