@@ -37,8 +37,10 @@ def _demo(args) -> int:
         print()
         xv = np.linspace(-1.0, 1.0, 1000)
         got, want = f(xv), reference(xv)  # first calls compile
+        # to round-off: on PyTensor 3 Numba's fast-math may sum separately compiled stages
+        # in another order than the whole-graph function
         for g, w in zip(got, want):
-            np.testing.assert_allclose(g, w, rtol=1e-10)
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
         print(f"Result check against PyTensor's default mode: OK (total = {float(got[0]):.6f})")
 
         def median(fn):
