@@ -10,6 +10,12 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from dasktensor import _config  # noqa: F401  (loads dasktensor.yaml into dask.config)
+from dasktensor._callable_ops import ArraysToArraysOp as ArraysToArraysOp
+from dasktensor._callable_ops import LogpGradOp as LogpGradOp
+from dasktensor._callable_ops import LogpOp as LogpOp
+from dasktensor._callable_ops import arrays_to_arrays_op as arrays_to_arrays_op
+from dasktensor._callable_ops import logp_grad_op as logp_grad_op
+from dasktensor._callable_ops import logp_op as logp_op
 from dasktensor._cluster import connect as connect
 from dasktensor._execute import NoWorkerWithResourcesError as NoWorkerWithResourcesError
 from dasktensor._function import DaskFunction as DaskFunction
@@ -31,18 +37,24 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "ArraysToArraysOp",
     "DASK",
     "DaskFunction",
     "DaskLinker",
+    "LogpGradOp",
+    "LogpOp",
     "NoWorkerWithResourcesError",
     "Placed",
     "Plan",
     "Task",
     "annotate",
+    "arrays_to_arrays_op",
     "connect",
     "dask_mode",
     "function",
     "is_heavy",
+    "logp_grad_op",
+    "logp_op",
     "mark_heavy",
     "plan_graph",
 ]

@@ -1,0 +1,302 @@
+"""Ops wrapping Python callables: model calls that the planner runs as tasks of their own.
+
+``ArraysToArraysOp`` (arrays in, arrays out, no gradient), ``LogpOp`` (arrays in, a
+scalar log-density out, no gradient) and ``LogpGradOp`` (a function returning the
+log-density and its gradients).  ``LogpGradOp`` outputs ``[logp, *grads]`` and its
+gradient reuses the node's own outputs, so one evaluation of logp and dlogp is ONE call of
+the function (a two-Op design makes two).
+
+Each Op is heavy (a task of its own, named ``name`` on the dashboard) and carries Dask
+annotations (``resources``, ``retries``, ``priority``).  Inputs pass through
+``pt.as_tensor_variable`` (``op(2)`` works) and are checked against ``itypes`` when the
+graph is built; results are checked against the declared outputs when the function runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytensor.tensor as pt
+from pytensor.gradient import DisconnectedType, grad_not_implemented
+from pytensor.graph.basic import Apply
+from pytensor.graph.op import Op
+from pytensor.tensor.type import TensorType
+
+from dasktensor import _compat
+from dasktensor._placement import _check_annotations
+
+
+def _as_types(types, what: str) -> tuple[TensorType, ...]:
+    types = tuple(types)
+    for t in types:
+        if not isinstance(t, TensorType):
+            raise TypeError(
+                f"{what} expected PyTensor tensor types such as pt.dvector or "
+                f"pt.TensorType('float64', shape=(3,)), got {t!r}"
+            )
+    return types
+
+
+class _CallableOp(Op):
+    """Common machinery: input checks, annotations, output checks."""
+
+    dasktensor_heavy = True
+    __props__ = ("fn", "itypes", "otypes", "dasktensor_name", "_annotation_items")
+
+    def __init__(
+        self,
+        fn: Callable,
+        itypes: Sequence[TensorType],
+        otypes: Sequence[TensorType],
+        *,
+        name: str,
+        resources=None,
+        retries=None,
+        priority=None,
+    ):
+        if not callable(fn):
+            raise TypeError(f"{type(self).__name__} expected a callable, got {fn!r}")
+        if not (isinstance(name, str) and name.replace("-", "").isalpha()):
+            raise ValueError(
+                f"{type(self).__name__}(name=...) expected letters and dashes (it prefixes "
+                f"Dask keys), got {name!r}"
+            )
+        self.fn = fn
+        self.itypes = _as_types(itypes, f"{type(self).__name__}(itypes=...)")
+        self.otypes = _as_types(otypes, f"{type(self).__name__}(otypes=...)")
+        self.dasktensor_name = name
+        annotations = _check_annotations(resources, retries, priority, None)
+        self._annotation_items = tuple(sorted((k, repr(v)) for k, v in annotations.items()))
+        self.dasktensor_annotations = annotations
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}{{{getattr(self.fn, '__name__', self.fn)}}}"
+
+    def make_node(self, *inputs) -> Apply:
+        if len(inputs) != len(self.itypes):
+            raise TypeError(f"{self} expected {len(self.itypes)} inputs, got {len(inputs)}")
+        checked = [self._check_input(i, x) for i, x in enumerate(inputs)]
+        return Apply(self, checked, [t() for t in self.otypes])
+
+    def _check_input(self, i: int, x):
+        want = self.itypes[i]
+        x = pt.as_tensor_variable(x)
+        if x.ndim != want.ndim:
+            raise TypeError(
+                f"{self} input {i} expected {want} ({want.ndim} dimensions), got {x.type} "
+                f"({x.ndim} dimensions)"
+            )
+        if x.dtype != want.dtype:
+            if not np.can_cast(x.dtype, want.dtype, casting="same_kind"):
+                raise TypeError(
+                    f"{self} input {i} expected dtype {want.dtype}, got {x.dtype}; "
+                    f"cast it explicitly (pt.cast(x, {want.dtype!r}))"
+                )
+            x = pt.cast(x, want.dtype)
+        for axis, (have, need) in enumerate(zip(x.type.shape, want.shape)):
+            if have is not None and need is not None and have != need:
+                raise TypeError(
+                    f"{self} input {i} expected shape {want.shape}, got {x.type.shape} "
+                    f"(axis {axis})"
+                )
+        if x.type.shape != want.shape and any(s is not None for s in want.shape):
+            x = pt.specify_shape(x, want.shape)  # the declared static shape, checked at run
+        return x
+
+    def _check_outputs(self, results, node) -> list[np.ndarray]:
+        outs = []
+        for j, (value, var) in enumerate(zip(results, node.outputs)):
+            arr = np.asarray(value, dtype=var.dtype)
+            want = var.type
+            if arr.ndim != want.ndim or any(
+                need is not None and have != need for have, need in zip(arr.shape, want.shape)
+            ):
+                raise ValueError(
+                    f"{self} output {j}: {getattr(self.fn, '__name__', 'fn')} returned an "
+                    f"array of shape {arr.shape}, expected {want} with shape {want.shape}"
+                )
+            outs.append(arr)
+        return outs
+
+    def _results(self, inputs) -> tuple:
+        return (self.fn(*inputs),)
+
+    def perform(self, node, inputs, output_storage):
+        results = self._results(inputs)
+        if len(results) != len(node.outputs):
+            raise ValueError(
+                f"{self}: {getattr(self.fn, '__name__', 'fn')} returned {len(results)} "
+                f"value(s), expected {len(node.outputs)}"
+            )
+        for storage, value in zip(output_storage, self._check_outputs(results, node)):
+            storage[0] = value
+
+    def _no_gradient(self, inputs, outputs, cotangents):
+        return [grad_not_implemented(self, i, x) for i, x in enumerate(inputs)]
+
+    if _compat.PYTENSOR_3:
+        pullback = _no_gradient
+    else:
+        L_op = _no_gradient
+
+
+class ArraysToArraysOp(_CallableOp):
+    """Arrays in, arrays out, through a Python function; no gradient.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(*arrays) -> array or tuple of arrays``, one per ``otypes``.
+    itypes, otypes : sequence of TensorType
+        Types of the inputs and outputs, e.g. ``[pt.dvector]``.
+    name : str
+        Prefix of the task keys on the dashboard (letters and dashes).
+    resources, retries, priority
+        Dask annotations of the call's task (``resources={"GPU": 1}``...).
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor.tensor as pt
+    >>> import dasktensor as dt
+    >>> simulate = dt.ArraysToArraysOp(np.cumsum, [pt.dvector], [pt.dvector])
+    >>> f = dt.function([x := pt.dvector("x")], simulate(x) * 2)
+    >>> f([1.0, 2.0, 3.0]).tolist()
+    [2.0, 6.0, 12.0]
+    """
+
+    def __init__(self, fn, itypes, otypes, *, name="arrays-remote", **annotations):
+        super().__init__(fn, itypes, otypes, name=name, **annotations)
+
+    def _results(self, inputs) -> tuple:
+        out = self.fn(*inputs)
+        if len(self.otypes) == 1:
+            return (out,)
+        return tuple(out)
+
+
+class LogpOp(_CallableOp):
+    """A scalar log-density through a Python function; no gradient.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(*arrays) -> float``.
+    itypes : sequence of TensorType
+        Types of the inputs.
+    name, resources, retries, priority
+        As for :class:`ArraysToArraysOp`.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor.tensor as pt
+    >>> import dasktensor as dt
+    >>> logp = dt.LogpOp(lambda x: -0.5 * float(x @ x), [pt.dvector])
+    >>> float(dt.function([x := pt.dvector("x")], logp(x))([1.0, 2.0]))
+    -2.5
+    """
+
+    def __init__(self, fn, itypes, *, name="logp-remote", **annotations):
+        super().__init__(fn, itypes, [pt.dscalar], name=name, **annotations)
+
+
+class LogpGradOp(_CallableOp):
+    """A log-density and its gradient from one Python function; differentiable.
+
+    The Op outputs ``[logp, *grads]``; ``pytensor.grad`` of ``logp`` reuses the node's
+    gradient outputs, so logp and dlogp together cost one call of ``fn``.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(*arrays) -> (logp, *grads)``, one gradient per input, shaped like it.
+    itypes : sequence of TensorType
+        Types of the inputs (floating point).
+    name, resources, retries, priority
+        As for :class:`ArraysToArraysOp`.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
+    >>> import dasktensor as dt
+    >>> def normal(x):
+    ...     return -0.5 * float(x @ x), -x
+    >>> op = dt.LogpGradOp(normal, [pt.dvector])
+    >>> x = pt.dvector("x")
+    >>> logp = op(x)[0]
+    >>> f = dt.function([x], [logp, pytensor.grad(logp, x)])
+    >>> [np.asarray(v).tolist() for v in f([1.0, 2.0])]
+    [-2.5, [-1.0, -2.0]]
+    """
+
+    def __init__(self, fn, itypes, *, name="logp-grad-remote", **annotations):
+        itypes = _as_types(itypes, "LogpGradOp(itypes=...)")
+        for i, t in enumerate(itypes):
+            if not t.dtype.startswith("float"):
+                raise TypeError(
+                    f"LogpGradOp input {i} must be floating point to have a gradient, "
+                    f"got {t}"
+                )
+        super().__init__(fn, itypes, [pt.dscalar, *itypes], name=name, **annotations)
+
+    def _results(self, inputs) -> tuple:
+        out = self.fn(*inputs)
+        if not isinstance(out, tuple | list):
+            raise ValueError(
+                f"{self}: {getattr(self.fn, '__name__', 'fn')} must return (logp, *grads), "
+                f"got {type(out).__name__}"
+            )
+        return tuple(out)
+
+    def _vjp(self, inputs, outputs, cotangents):
+        for j, g in enumerate(cotangents[1:], start=1):
+            if not isinstance(g.type, DisconnectedType):
+                raise NotImplementedError(
+                    f"{self} provides first derivatives only; output {j} (a gradient) was "
+                    "differentiated again"
+                )
+        g_logp = cotangents[0]
+        return [g_logp * grad for grad in outputs[1:]]
+
+    if _compat.PYTENSOR_3:
+        pullback = _vjp
+    else:
+        L_op = _vjp
+
+
+def logp_grad_op(fn=None, /, *, itypes, name="logp-grad-remote", **annotations):
+    """Decorator form of :class:`LogpGradOp`.
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> import dasktensor as dt
+    >>> @dt.logp_grad_op(itypes=[pt.dvector], retries=2)
+    ... def normal(x):
+    ...     return -0.5 * float(x @ x), -x
+    >>> normal.dasktensor_annotations
+    {'retries': 2}
+    """
+
+    def wrap(f):
+        return LogpGradOp(f, itypes, name=name, **annotations)
+
+    return wrap if fn is None else wrap(fn)
+
+
+def logp_op(fn=None, /, *, itypes, name="logp-remote", **annotations):
+    """Decorator form of :class:`LogpOp` (see :func:`logp_grad_op`)."""
+
+    def wrap(f):
+        return LogpOp(f, itypes, name=name, **annotations)
+
+    return wrap if fn is None else wrap(fn)
+
+
+def arrays_to_arrays_op(fn=None, /, *, itypes, otypes, name="arrays-remote", **annotations):
+    """Decorator form of :class:`ArraysToArraysOp` (see :func:`logp_grad_op`)."""
+
+    def wrap(f):
+        return ArraysToArraysOp(f, itypes, otypes, name=name, **annotations)
+
+    return wrap if fn is None else wrap(fn)

@@ -1,0 +1,109 @@
+"""Ops wrapping Python callables: checks, gradients, one call per logp+dlogp, clusters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from _ops import CALLS, normal_logp_and_grad, strided_sum_and_first
+from pytensor.gradient import verify_grad
+
+import dasktensor as dt
+
+normal = dt.LogpGradOp(normal_logp_and_grad, [pt.dvector, pt.dscalar], name="normal-remote")
+
+
+def test_gradient_matches_finite_differences():
+    rng = np.random.default_rng(0)
+    verify_grad(
+        lambda x, mu: normal(x, mu)[0], [rng.normal(size=4), np.array(0.3)], rng=rng
+    )
+
+
+@pytest.mark.parametrize("mode", ["DASK", None])
+def test_one_call_per_logp_and_dlogp_evaluation(mode):
+    x, mu = pt.dvector("x"), pt.dscalar("mu")
+    logp = normal(x, mu)[0]
+    f = pytensor.function([x, mu], [logp, *pytensor.grad(logp, [x, mu])], mode=mode)
+    CALLS["normal"] = 0
+    lp, gx, gmu = f(np.array([1.0, 2.0]), 0.5)
+    assert CALLS["normal"] == 1
+    assert lp == pytest.approx(-0.5 * (0.25 + 2.25))
+    np.testing.assert_allclose(gx, [-0.5, -1.5])
+    assert float(gmu) == pytest.approx(2.0)
+
+
+def test_inputs_go_through_as_tensor_variable():
+    square = dt.ArraysToArraysOp(np.square, [pt.dscalar], [pt.dscalar])
+    f = dt.function([], square(2))  # a Python int becomes a constant, cast to float64
+    assert float(f()) == 4.0
+
+
+def test_wrong_arity_dtype_and_shape_fail_at_graph_build():
+    op = dt.ArraysToArraysOp(np.cumsum, [pt.TensorType("float64", shape=(3,))], [pt.dvector])
+    with pytest.raises(TypeError, match=r"expected 1 inputs, got 2"):
+        op(pt.dvector(), pt.dvector())
+    with pytest.raises(TypeError, match=r"input 0 expected .*1 dimensions.*got .*2 dimensions"):
+        op(pt.dmatrix())
+    with pytest.raises(TypeError, match=r"input 0 expected dtype float64, got complex128"):
+        op(pt.zvector())
+    with pytest.raises(TypeError, match=r"input 0 expected shape \(3,\), got \(4,\)"):
+        op(pt.TensorType("float64", shape=(4,))())
+
+
+def test_wrong_result_shape_fails_at_call_time_naming_the_op():
+    op = dt.ArraysToArraysOp(
+        lambda x: np.zeros(5), [pt.dvector], [pt.TensorType("float64", shape=(3,))]
+    )
+    f = dt.function([x := pt.dvector("x")], op(x), scheduler="sync")
+    with pytest.raises(ValueError, match=r"ArraysToArraysOp\{<lambda>\} output 0.*shape \(5,\)"):
+        f(np.ones(3))
+
+
+def test_props_make_equal_ops_merge_and_options_distinguish_them():
+    a = dt.LogpOp(np.sum, [pt.dvector])
+    assert a == dt.LogpOp(np.sum, [pt.dvector]) and hash(a) == hash(dt.LogpOp(np.sum, [pt.dvector]))
+    assert a != dt.LogpOp(np.sum, [pt.dvector], retries=1)
+    assert a != dt.LogpOp(np.sum, [pt.dvector], name="other")
+
+
+def test_annotations_and_names_reach_the_plan():
+    @dt.logp_op(itypes=[pt.dvector], resources={"GPU": 1}, retries=2, name="surrogate")
+    def surrogate(x):
+        return float(np.sum(x**2))
+
+    f = dt.function([x := pt.dvector("x")], surrogate(x) + 1)
+    (task,) = [t for t in f.plan.tasks if t.kind == "heavy"]
+    assert task.name == "surrogate"
+    assert task.annotations == {"resources": {"GPU": 1}, "retries": 2}
+
+
+def test_logp_grad_op_refuses_integer_inputs_and_second_derivatives():
+    with pytest.raises(TypeError, match="must be floating point"):
+        dt.LogpGradOp(normal_logp_and_grad, [pt.lvector, pt.dscalar])
+    x, mu = pt.dvector("x"), pt.dscalar("mu")
+    g = pytensor.grad(normal(x, mu)[0], mu)
+    with pytest.raises(NotImplementedError, match="first derivatives only"):
+        pytensor.grad(g, mu)
+
+
+def test_strided_and_non_contiguous_inputs_on_a_cluster(client):
+    op = dt.ArraysToArraysOp(strided_sum_and_first, [pt.dmatrix], [pt.dvector])
+    m = pt.dmatrix("m")
+    f = dt.function([m], op(m), scheduler=client)
+    base = np.arange(24.0).reshape(4, 6)
+    for value in (base[:, ::2], base.T, np.asfortranarray(base)):
+        np.testing.assert_allclose(f(value), [value.sum(), value[0, -1]])
+
+
+def test_independent_calls_run_concurrently_on_the_cluster(client):
+    x, mu = pt.dvector("x"), pt.dscalar("mu")
+    terms = [normal(x + k, mu)[0] for k in range(2)]
+    total = sum(terms)
+    f = dt.function([x, mu], [total, *pytensor.grad(total, [x, mu])], scheduler=client)
+    heavy = [t for t in f.plan.tasks if t.kind == "heavy"]
+    assert len(heavy) == 2 and not any(set(t.deps) & {h.index for h in heavy} for t in heavy)
+    lp, gx, gmu = f(np.zeros(3), 0.0)
+    assert lp == pytest.approx(-0.5 * 3 * (0 + 1))
+    np.testing.assert_allclose(gx, -(np.zeros(3) + np.ones(3)))
