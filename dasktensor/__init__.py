@@ -23,6 +23,7 @@ from dasktensor._function import function as function
 from dasktensor._linker import DASK as DASK
 from dasktensor._linker import DaskLinker as DaskLinker
 from dasktensor._linker import dask_mode as dask_mode
+from dasktensor._parallel_calls import ParallelCallsOp as ParallelCallsOp
 from dasktensor._placement import Placed as Placed
 from dasktensor._placement import annotate as annotate
 from dasktensor._plan import Plan as Plan
@@ -44,6 +45,7 @@ __all__ = [
     "LogpGradOp",
     "LogpOp",
     "NoWorkerWithResourcesError",
+    "ParallelCallsOp",
     "Placed",
     "Plan",
     "Task",

@@ -55,7 +55,12 @@ class DaskLinker(type(_BACKEND_LINKER)):
     required_rewrites = _BACKEND_LINKER.required_rewrites
     # PyTensor 3 moves IfElse branches into inner graphs ("lazy_ifelse"); a heavy node in a
     # branch would then vanish from the plan into a stage.  Branches stay in the outer graph.
-    incompatible_rewrites = (*_BACKEND_LINKER.incompatible_rewrites, "introduce_lazy_ifelse")
+    # Calls of dasktensor's callable Ops stay separate nodes: each is a Dask task.
+    incompatible_rewrites = (
+        *_BACKEND_LINKER.incompatible_rewrites,
+        "introduce_lazy_ifelse",
+        "dasktensor_parallel_calls",
+    )
 
     def __init__(self, scheduler=None, heavy_flops: float | None = None, **_ignored):
         # the backend linker's own settings do not apply: stages use a fresh backend linker

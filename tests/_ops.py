@@ -48,3 +48,26 @@ def normal_logp_and_grad(x, mu):
 def strided_sum_and_first(x):
     """Depends on the memory layout only if strides are mishandled."""
     return np.array([x.sum(), x[0, -1]])
+
+
+def make_rendezvous(parties: int):
+    """A logp+grad function whose calls only return once ``parties`` calls are running.
+
+    Run one after another, the first call would wait forever: its barrier times out and
+    raises ``threading.BrokenBarrierError`` instead.
+    """
+    import threading
+
+    barrier = threading.Barrier(parties, timeout=30)
+
+    def rendezvous_normal(x):
+        barrier.wait()
+        return -0.5 * float(x @ x), -x
+
+    return rendezvous_normal
+
+
+def failing_logp(x):
+    if np.any(x < 0):
+        raise FloatingPointError("negative input refused by the model")
+    return float(x.sum())

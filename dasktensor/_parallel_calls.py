@@ -1,0 +1,124 @@
+"""Concurrent model calls outside the DASK mode.
+
+``pm.sample`` compiles its functions with PyTensor's default mode, which evaluates nodes one
+after another: independent model calls would wait for each other.  The rewrite here, in
+PyTensor's default rewrite database under the tag ``dasktensor_parallel_calls``, merges
+independent calls of dasktensor's callable Ops into one :class:`ParallelCallsOp` node,
+which runs them concurrently on one thread pool.  It touches dasktensor's own Ops only.
+The DASK mode leaves it out: there every call is a Dask task of its own.
+
+Calls are grouped by *level*: a call's level is one more than the highest level among the
+calls it depends on.  Calls of one level never depend on each other, so merging them cannot
+create a cycle.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import SimpleNamespace
+from concurrent.futures import ThreadPoolExecutor
+
+from pytensor.compile.mode import optdb
+from pytensor.graph.basic import Apply
+from pytensor.graph.features import ReplaceValidate
+from pytensor.graph.op import Op
+from pytensor.graph.rewriting.basic import GraphRewriter
+
+from dasktensor._callable_ops import _CallableOp
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="dasktensor-call")
+        return _pool
+
+
+def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+class ParallelCallsOp(Op):
+    """Independent calls of callable Ops, run concurrently as one node.
+
+    Inputs are the calls' inputs one after another, outputs their outputs.  An exception in
+    any call is raised with its own type once the others have finished.
+    """
+
+    __props__ = ("ops",)
+
+    def __init__(self, ops):
+        self.ops = tuple(ops)
+
+    def make_node(self, *inputs):
+        raise NotImplementedError("ParallelCallsOp nodes are built by the rewrite only")
+
+    def perform(self, node, inputs, output_storage):
+        pool = _get_pool()
+        jobs, i, o = [], 0, 0
+        for op in self.ops:
+            n_in, n_out = len(op.itypes), len(op.otypes)
+            # the member's view of the node: its own inputs and outputs
+            sub = SimpleNamespace(
+                inputs=node.inputs[i : i + n_in], outputs=node.outputs[o : o + n_out]
+            )
+            jobs.append(
+                pool.submit(op.perform, sub, inputs[i : i + n_in], output_storage[o : o + n_out])
+            )
+            i, o = i + n_in, o + n_out
+        errors = [job.exception() for job in jobs]
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def __str__(self) -> str:
+        return f"ParallelCalls{{{', '.join(str(op) for op in self.ops)}}}"
+
+
+class MergeIndependentCalls(GraphRewriter):
+    """Replace independent callable-Op nodes of one level by one ParallelCallsOp node."""
+
+    def add_requirements(self, fgraph):
+        fgraph.attach_feature(ReplaceValidate())
+
+    def apply(self, fgraph):
+        level: dict = {}
+        by_level: dict[int, list[Apply]] = {}
+        for node in fgraph.toposort():
+            above = max(
+                (level[i.owner] for i in node.inputs if i.owner in level), default=-1
+            )
+            if isinstance(node.op, _CallableOp):
+                level[node] = above + 1
+                by_level.setdefault(above + 1, []).append(node)
+            elif above >= 0:
+                level[node] = above  # passes the level of the calls above it on
+        for nodes in by_level.values():
+            if len(nodes) < 2:
+                continue
+            op = ParallelCallsOp([n.op for n in nodes])
+            inputs = [i for n in nodes for i in n.inputs]
+            outputs = [o.type() for n in nodes for o in n.outputs]
+            Apply(op, inputs, outputs)
+            old = [o for n in nodes for o in n.outputs]
+            fgraph.replace_all_validate(
+                list(zip(old, outputs)), reason="dasktensor_parallel_calls"
+            )
+
+
+optdb.register(
+    "merge_independent_calls",
+    MergeIndependentCalls(),
+    "fast_run",
+    "dasktensor_parallel_calls",
+    position=48.5,
+)
