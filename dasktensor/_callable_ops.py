@@ -7,13 +7,15 @@ gradient reuses the node's own outputs, so one evaluation of logp and dlogp is O
 the function (a two-Op design makes two).
 
 Each Op is heavy (a task of its own, named ``name`` on the dashboard) and carries Dask
-annotations (``resources``, ``retries``, ``priority``).  Inputs pass through
-``pt.as_tensor_variable`` (``op(2)`` works) and are checked against ``itypes`` when the
-graph is built; results are checked against the declared outputs when the function runs.
+annotations (``resources``, ``retries``, ``priority``) and an optional ``timeout``.
+Inputs pass through ``pt.as_tensor_variable`` (``op(2)`` works) and are checked against
+``itypes`` when the graph is built; results are checked against the declared outputs when
+the function runs.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -42,7 +44,7 @@ class _CallableOp(Op):
     """Common machinery: input checks, annotations, output checks."""
 
     dasktensor_heavy = True
-    __props__ = ("fn", "itypes", "otypes", "dasktensor_name", "_annotation_items")
+    __props__ = ("fn", "itypes", "otypes", "dasktensor_name", "_annotation_items", "timeout")
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class _CallableOp(Op):
         resources=None,
         retries=None,
         priority=None,
+        timeout=None,
     ):
         if not callable(fn):
             raise TypeError(f"{type(self).__name__} expected a callable, got {fn!r}")
@@ -69,6 +72,12 @@ class _CallableOp(Op):
         annotations = _check_annotations(resources, retries, priority, None)
         self._annotation_items = tuple(sorted((k, repr(v)) for k, v in annotations.items()))
         self.dasktensor_annotations = annotations
+        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
+            raise TypeError(
+                f"{type(self).__name__}(timeout=...) expected a number of seconds > 0, "
+                f"got {timeout!r}"
+            )
+        self.timeout = timeout
 
     def __str__(self) -> str:
         return f"{type(self).__name__}{{{getattr(self.fn, '__name__', self.fn)}}}"
@@ -122,8 +131,32 @@ class _CallableOp(Op):
     def _results(self, inputs) -> tuple:
         return (self.fn(*inputs),)
 
+    def _call(self, inputs) -> tuple:
+        if self.timeout is None:
+            return self._results(inputs)
+        box: dict = {}
+
+        def target():
+            try:
+                box["value"] = self._results(inputs)
+            except BaseException as e:  # handed to the caller below
+                box["error"] = e
+
+        thread = threading.Thread(target=target, daemon=True, name=f"{self.dasktensor_name}")
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            raise TimeoutError(
+                f"{self}: {getattr(self.fn, '__name__', 'fn')} did not return within "
+                f"{self.timeout:g} s (it goes on in a background thread; its result will be "
+                "dropped)"
+            )
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
     def perform(self, node, inputs, output_storage):
-        results = self._results(inputs)
+        results = self._call(inputs)
         if len(results) != len(node.outputs):
             raise ValueError(
                 f"{self}: {getattr(self.fn, '__name__', 'fn')} returned {len(results)} "
@@ -153,7 +186,10 @@ class ArraysToArraysOp(_CallableOp):
     name : str
         Prefix of the task keys on the dashboard (letters and dashes).
     resources, retries, priority
-        Dask annotations of the call's task (``resources={"GPU": 1}``...).
+        Dask annotations of the call's task (``resources={"GPU": 1}``...); ``retries``
+        re-runs a call that raised (a timeout included).
+    timeout : float, optional
+        Seconds after which a call fails with ``TimeoutError``.
 
     Examples
     --------
@@ -184,7 +220,7 @@ class LogpOp(_CallableOp):
         ``fn(*arrays) -> float``.
     itypes : sequence of TensorType
         Types of the inputs.
-    name, resources, retries, priority
+    name, resources, retries, priority, timeout
         As for :class:`ArraysToArraysOp`.
 
     Examples
@@ -212,7 +248,7 @@ class LogpGradOp(_CallableOp):
         ``fn(*arrays) -> (logp, *grads)``, one gradient per input, shaped like it.
     itypes : sequence of TensorType
         Types of the inputs (floating point).
-    name, resources, retries, priority
+    name, resources, retries, priority, timeout
         As for :class:`ArraysToArraysOp`.
 
     Examples
@@ -234,8 +270,7 @@ class LogpGradOp(_CallableOp):
         for i, t in enumerate(itypes):
             if not t.dtype.startswith("float"):
                 raise TypeError(
-                    f"LogpGradOp input {i} must be floating point to have a gradient, "
-                    f"got {t}"
+                    f"LogpGradOp input {i} must be floating point to have a gradient, got {t}"
                 )
         super().__init__(fn, itypes, [pt.dscalar, *itypes], name=name, **annotations)
 

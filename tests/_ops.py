@@ -71,3 +71,20 @@ def failing_logp(x):
     if np.any(x < 0):
         raise FloatingPointError("negative input refused by the model")
     return float(x.sum())
+
+
+def slow_unless_positive(x):
+    """Hangs (30 s) on non-positive input: a stand-in for a model that does not answer."""
+    if np.any(x <= 0):
+        time.sleep(30)
+    return float(x.sum())
+
+
+def fails_first_time(x, marker: str):
+    """Raises on the first call in the whole cluster (a file records it), then works."""
+    import os
+
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        raise ConnectionError("transient failure of the model service")
+    return float(x.sum())

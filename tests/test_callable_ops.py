@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from _ops import CALLS, normal_logp_and_grad, strided_sum_and_first
+from _ops import (
+    CALLS,
+    fails_first_time,
+    normal_logp_and_grad,
+    slow_unless_positive,
+    strided_sum_and_first,
+)
 from pytensor.gradient import verify_grad
 
 import dasktensor as dt
@@ -16,9 +25,7 @@ normal = dt.LogpGradOp(normal_logp_and_grad, [pt.dvector, pt.dscalar], name="nor
 
 def test_gradient_matches_finite_differences():
     rng = np.random.default_rng(0)
-    verify_grad(
-        lambda x, mu: normal(x, mu)[0], [rng.normal(size=4), np.array(0.3)], rng=rng
-    )
+    verify_grad(lambda x, mu: normal(x, mu)[0], [rng.normal(size=4), np.array(0.3)], rng=rng)
 
 
 @pytest.mark.parametrize("mode", ["DASK", None])
@@ -63,7 +70,9 @@ def test_wrong_result_shape_fails_at_call_time_naming_the_op():
 
 def test_props_make_equal_ops_merge_and_options_distinguish_them():
     a = dt.LogpOp(np.sum, [pt.dvector])
-    assert a == dt.LogpOp(np.sum, [pt.dvector]) and hash(a) == hash(dt.LogpOp(np.sum, [pt.dvector]))
+    assert a == dt.LogpOp(np.sum, [pt.dvector]) and hash(a) == hash(
+        dt.LogpOp(np.sum, [pt.dvector])
+    )
     assert a != dt.LogpOp(np.sum, [pt.dvector], retries=1)
     assert a != dt.LogpOp(np.sum, [pt.dvector], name="other")
 
@@ -107,3 +116,27 @@ def test_independent_calls_run_concurrently_on_the_cluster(client):
     lp, gx, gmu = f(np.zeros(3), 0.0)
     assert lp == pytest.approx(-0.5 * 3 * (0 + 1))
     np.testing.assert_allclose(gx, -(np.zeros(3) + np.ones(3)))
+
+
+def test_a_call_that_does_not_return_in_time_fails_and_the_next_one_works():
+    op = dt.LogpOp(slow_unless_positive, [pt.dvector], timeout=0.5)
+    f = dt.function([x := pt.dvector("x")], op(x) + 1, scheduler="sync")
+    with pytest.raises(TimeoutError, match=r"did not return within 0.5 s"):
+        f(np.array([-1.0]))
+    assert float(f(np.array([2.0]))) == 3.0
+    with pytest.raises(TypeError, match="number of seconds > 0"):
+        dt.LogpOp(slow_unless_positive, [pt.dvector], timeout=0)
+
+
+def test_a_transient_failure_succeeds_with_retries_on_the_cluster(client, tmp_path):
+    marker = str(tmp_path / "failed-once")
+    op = dt.LogpOp(functools.partial(fails_first_time, marker=marker), [pt.dvector], retries=1)
+    f = dt.function([x := pt.dvector("x")], op(x) * 2, scheduler=client)
+    assert float(f(np.array([1.0, 2.0]))) == 6.0
+    assert os.path.exists(marker)  # the first attempt did fail
+    no_retry = dt.LogpOp(
+        functools.partial(fails_first_time, marker=str(tmp_path / "again")), [pt.dvector]
+    )
+    g = dt.function([x], no_retry(x), scheduler=client)
+    with pytest.raises(ConnectionError, match="transient failure"):
+        g(np.array([1.0]))
