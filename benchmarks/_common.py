@@ -153,16 +153,12 @@ def local_cluster(n_workers: int, threads_per_worker: int = 1, **kwargs):
     env = dict(SINGLE_THREAD_ENV)
     # the same PyTensor 2.38 BLAS warning as in quiet(), once per worker otherwise
     env["PYTHONWARNINGS"] = "ignore:PyTensor could not link to a BLAS"
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in [HERE, os.environ.get("PYTHONPATH", "")] if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, os.environ.get("PYTHONPATH", "")] if p)
     kwargs.setdefault("processes", True)
     kwargs.setdefault("dashboard_address", None)  # no dashboard...
     # ...but the scheduler still serves its HTTP routes (health, metrics), by default on
     # port 8787, which another cluster on this shared machine may hold: use any free port
-    kwargs.setdefault(
-        "scheduler_kwargs", {"dashboard": False, "dashboard_address": "127.0.0.1:0"}
-    )
+    kwargs.setdefault("scheduler_kwargs", {"dashboard": False, "dashboard_address": "127.0.0.1:0"})
     kwargs.setdefault("silence_logs", logging.ERROR)
     # pre-spawn: set before the worker interpreter starts, so BLAS reads it at load time
     with dask.config.set({"distributed.nanny.pre-spawn-environ": env}):
@@ -207,7 +203,9 @@ class Row:
     def met(self) -> str:
         if self.target is None:
             return "-"
-        ok = self.measured >= self.target if self.higher_is_better else self.measured <= self.target
+        ok = (
+            self.measured >= self.target if self.higher_is_better else self.measured <= self.target
+        )
         return "yes" if ok else "NO"
 
     @property
@@ -228,8 +226,10 @@ class Row:
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> None:
     """Print a plain aligned text table."""
     cells = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+        for i, h in enumerate(headers)
+    ]
     if title:
         print(f"\n{title}")
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))

@@ -86,8 +86,10 @@ def main(repeat: int = 601, number: int = 20) -> list[Row]:
     linker = f_dask._pytensor_function.maker.linker
     assert isinstance(linker, DaskLinker), type(linker)
     plan = linker.plan
-    print(f"default linker: {type(f_default._pytensor_function.maker.linker).__name__}; "
-          f"DASK linker: {type(linker).__name__}")
+    print(
+        f"default linker: {type(f_default._pytensor_function.maker.linker).__name__}; "
+        f"DASK linker: {type(linker).__name__}"
+    )
     print(plan)
 
     x0 = DictToArrayBijection.map(model.initial_point(0)).data
@@ -95,8 +97,7 @@ def main(repeat: int = 601, number: int = 20) -> list[Row]:
     lp1, g1 = f_dask(x0)
     np.testing.assert_allclose(lp0, lp1, rtol=1e-10)
     np.testing.assert_allclose(g0, g1, rtol=1e-10)
-    print(f"logp at the initial point: {float(lp0):.6f} (both modes); "
-          f"{x0.size} free parameters")
+    print(f"logp at the initial point: {float(lp0):.6f} (both modes); {x0.size} free parameters")
 
     raw_default = f_default._pytensor_function
     raw_dask = f_dask._pytensor_function
@@ -115,14 +116,26 @@ def main(repeat: int = 601, number: int = 20) -> list[Row]:
         warmup=50,
     )
     print_ratio_table(
-        {k: times[k] for k in ("default (ValueGradFunction)", "DASK (ValueGradFunction)",
-                               "default again (A/A control)")},
+        {
+            k: times[k]
+            for k in (
+                "default (ValueGradFunction)",
+                "DASK (ValueGradFunction)",
+                "default again (A/A control)",
+            )
+        },
         "default (ValueGradFunction)",
         title=f"per-call median, {repeat} interleaved samples x {number} calls",
     )
     print_ratio_table(
-        {k: times[k] for k in ("default (raw Function)", "DASK (raw Function)",
-                               "DASK (raw, DaskFunction wrapper)")},
+        {
+            k: times[k]
+            for k in (
+                "default (raw Function)",
+                "DASK (raw Function)",
+                "DASK (raw, DaskFunction wrapper)",
+            )
+        },
         "default (raw Function)",
     )
     ratio = times["DASK (ValueGradFunction)"] / times["default (ValueGradFunction)"]
@@ -133,10 +146,16 @@ def main(repeat: int = 601, number: int = 20) -> list[Row]:
         Row(NAME, "DASK per call", times["DASK (ValueGradFunction)"], unit="s"),
         Row(NAME, "DASK/default (logp_dlogp_function)", ratio, 1.05),
         Row(NAME, "DASK/default (raw Function)", raw_ratio, 1.05),
-        Row(NAME, "default#2/default (A/A noise control)",
-            times["default again (A/A control)"] / times["default (ValueGradFunction)"]),
-        Row(NAME, "DaskFunction wrapper/default (raw)",
-            times["DASK (raw, DaskFunction wrapper)"] / times["default (raw Function)"]),
+        Row(
+            NAME,
+            "default#2/default (A/A noise control)",
+            times["default again (A/A control)"] / times["default (ValueGradFunction)"],
+        ),
+        Row(
+            NAME,
+            "DaskFunction wrapper/default (raw)",
+            times["DASK (raw, DaskFunction wrapper)"] / times["default (raw Function)"],
+        ),
         load_row(NAME),
     ]
     print_rows(rows, title=f"[{NAME}] summary")

@@ -129,11 +129,13 @@ def main(repeat: int = 11, warmup: int = 4) -> list[Row]:
             )
     print_ratio_table(
         {k: v for k, v in times.items() if not k.startswith("raw")},
-        "default (1 process)", title=f"median per call, {repeat} interleaved samples",
+        "default (1 process)",
+        title=f"median per call, {repeat} interleaved samples",
         ratio_name="time ratio",
     )
     print_ratio_table(
-        {k: v for k, v in times.items() if k.startswith("raw")}, "raw NumPy, serial",
+        {k: v for k, v in times.items() if k.startswith("raw")},
+        "raw NumPy, serial",
         ratio_name="time ratio",
     )
     t0 = times["default (1 process)"]
@@ -144,12 +146,20 @@ def main(repeat: int = 11, warmup: int = 4) -> list[Row]:
         Row(NAME, "plan cluster tasks", n_cluster, BRANCHES),
         Row(NAME, "default per call", t0, unit="s"),
         Row(NAME, "DASK per call (2 procs)", times["DASK (2 procs x 1 thread)"], unit="s"),
-        Row(NAME, "speed-up default/DASK (2 procs)", t0 / times["DASK (2 procs x 1 thread)"],
-            1.7, higher_is_better=True),
+        Row(
+            NAME,
+            "speed-up default/DASK (2 procs)",
+            t0 / times["DASK (2 procs x 1 thread)"],
+            1.7,
+            higher_is_better=True,
+        ),
         Row(NAME, "speed-up default/DASK (threads)", t0 / times["DASK (threads, local)"]),
         Row(NAME, "raw floor speed-up numpy/submit", floor),
-        Row(NAME, "DASK speed-up / raw floor speed-up",
-            t0 / times["DASK (2 procs x 1 thread)"] / floor),
+        Row(
+            NAME,
+            "DASK speed-up / raw floor speed-up",
+            t0 / times["DASK (2 procs x 1 thread)"] / floor,
+        ),
         load_row(NAME),
     ]
     print_rows(rows, title=f"[{NAME}] summary")

@@ -154,16 +154,22 @@ def main(repeat: int = 21, warmup: int = 3) -> list[Row]:
         Row(NAME, "graph nodes (after rewrites)", n_nodes),
         Row(NAME, "cheap nodes in stages", n_cheap),
         Row(NAME, "plan tasks", len(plan.tasks), 10),
-        Row(NAME, "wall/50ms DASK threads (4)", times["DASK threads (num_workers=4)"] / SLEEP,
-            1.15),
+        Row(
+            NAME, "wall/50ms DASK threads (4)", times["DASK threads (num_workers=4)"] / SLEEP, 1.15
+        ),
         Row(NAME, "wall/50ms raw threads floor", times["raw Dask threads: 4 x sleep"] / SLEEP),
-        Row(NAME, "wall/50ms DASK LocalCluster 4x1", times["DASK LocalCluster 4x1"] / SLEEP,
-            1.15),
-        Row(NAME, "wall/50ms raw distributed floor",
-            times["raw distributed: 4 x submit+gather"] / SLEEP),
-        Row(NAME, "DASK cluster - raw floor (wall)",
+        Row(NAME, "wall/50ms DASK LocalCluster 4x1", times["DASK LocalCluster 4x1"] / SLEEP, 1.15),
+        Row(
+            NAME,
+            "wall/50ms raw distributed floor",
+            times["raw distributed: 4 x submit+gather"] / SLEEP,
+        ),
+        Row(
+            NAME,
+            "DASK cluster - raw floor (wall)",
             times["DASK LocalCluster 4x1"] - times["raw distributed: 4 x submit+gather"],
-            unit="s"),
+            unit="s",
+        ),
         load_row(NAME),
     ]
     print_rows(rows, title=f"[{NAME}] summary")

@@ -128,7 +128,9 @@ def connect(
     if resources is not None:
         kwargs["resources"] = dict(resources)
     # a task asking for resources that no worker offers fails instead of waiting forever
-    no_workers = {"distributed.scheduler.no-workers-timeout": _config.get("placement.resource-timeout")}
+    no_workers = {
+        "distributed.scheduler.no-workers-timeout": _config.get("placement.resource-timeout")
+    }
     with dask.config.set(no_workers):
         if security is None:
             # the client starts the cluster and stops it when it closes
@@ -139,6 +141,4 @@ def connect(
 
         cluster = LocalCluster(security=security, protocol="tls://", **kwargs)
         # client.shutdown() stops this cluster with the client
-        return Client(
-            cluster, security=security, timeout=timeout_s, set_as_default=set_as_default
-        )
+        return Client(cluster, security=security, timeout=timeout_s, set_as_default=set_as_default)

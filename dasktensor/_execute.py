@@ -249,7 +249,6 @@ class PlanExecutor(TaskGraph):
         run_here("after")
         return self._outputs(values, computed)
 
-
     def _scatter_large(self, client, deps: list, values: Sequence, readers: dict) -> dict:
         """Send arrays of 256 KiB or more to the workers once; returns ``{id: future}``.
 
@@ -349,7 +348,7 @@ def _check_resources(client, annotations: Sequence[dict]) -> None:
                 f"No worker of the cluster at {client.scheduler.address} offers the "
                 f"resources {lacking[0]} that a task asks for (waited {timeout:g} s; "
                 f"{len(workers)} worker(s), offering {offered}). Start a worker with "
-                "them, e.g. `dask worker ADDRESS --resources \"GPU=1\"`, or "
+                'them, e.g. `dask worker ADDRESS --resources "GPU=1"`, or '
                 "LocalCluster(resources={...}); the wait is set by "
                 "dask.config 'dasktensor.placement.resource-timeout'."
             )

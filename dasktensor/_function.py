@@ -91,7 +91,9 @@ class DaskFunction:
         values = [c.data for c in fn.input_storage]
         for i, arg in zip(explicit, args):
             inp = maker.inputs[i]
-            values[i] = inp.variable.type.filter(arg, strict=inp.strict, allow_downcast=inp.allow_downcast)
+            values[i] = inp.variable.type.filter(
+                arg, strict=inp.strict, allow_downcast=inp.allow_downcast
+            )
         graph = TaskGraph(self.plan)
         delayed = graph.delayed(values)[: len(maker.outputs)]
         return delayed[0] if fn.unpack_single and len(delayed) == 1 else delayed

@@ -65,8 +65,8 @@ class DaskLinker(type(_BACKEND_LINKER)):
     def __init__(self, scheduler=None, heavy_flops: float | None = None, **_ignored):
         # the backend linker's own settings do not apply: stages use a fresh backend linker
         super().__init__()
-        self.scheduler = scheduler if isinstance(scheduler, SchedulerRef) else SchedulerRef(
-            scheduler
+        self.scheduler = (
+            scheduler if isinstance(scheduler, SchedulerRef) else SchedulerRef(scheduler)
         )
         self.heavy_flops = heavy_flops
         self.fgraph = None

@@ -94,9 +94,7 @@ class MergeIndependentCalls(GraphRewriter):
         level: dict = {}
         by_level: dict[int, list[Apply]] = {}
         for node in fgraph.toposort():
-            above = max(
-                (level[i.owner] for i in node.inputs if i.owner in level), default=-1
-            )
+            above = max((level[i.owner] for i in node.inputs if i.owner in level), default=-1)
             if isinstance(node.op, _CallableOp):
                 level[node] = above + 1
                 by_level.setdefault(above + 1, []).append(node)

@@ -435,9 +435,8 @@ def plan_graph(
     blocks = list(members.values())
 
     n_costly_blocks = sum(
-        any(weights[n][0] == "costly" for n in block) and not any(
-            weights[n][0] == "heavy" for n in block
-        )
+        any(weights[n][0] == "costly" for n in block)
+        and not any(weights[n][0] == "heavy" for n in block)
         for block in blocks
     )
     if n_heavy == 0 and n_costly_blocks < 2:
@@ -488,9 +487,7 @@ def _make_plan(fgraph: FunctionGraph, blocks: list[list[Apply]], weights) -> Pla
 
     fgraph_outputs = set(fgraph.outputs)
     clients = fgraph.clients
-    heavy_or_costly = [
-        any(weights[n][0] != "cheap" for n in blocks[old]) for old in order
-    ]
+    heavy_or_costly = [any(weights[n][0] != "cheap" for n in blocks[old]) for old in order]
     deps_new = [sorted(renumber[d] for d in deps_of[old]) for old in order]
 
     # cheap stages between two cluster tasks run on the cluster

@@ -121,7 +121,6 @@ class TaskGraph:
                 out.append(src[1])
         return out
 
-
     def delayed(self, values: Sequence) -> list[Delayed]:
         """One ``Delayed`` per output of the graph, annotated per task."""
         token = uuid.uuid4().hex

@@ -78,9 +78,7 @@ def _demo(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dasktensor`` command."""
-    parser = argparse.ArgumentParser(
-        prog="dasktensor", description="Run PyTensor graphs on Dask."
-    )
+    parser = argparse.ArgumentParser(prog="dasktensor", description="Run PyTensor graphs on Dask.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(

@@ -80,8 +80,7 @@ def assert_values_equal(actual: Any, expected: Any, what: str = "value", *, rtol
             assert_values_equal(a, e, f"{what}[{i}]", rtol=rtol, atol=atol)
         return
     assert type(actual) is type(expected), (
-        f"{what}: expected a {type(expected).__name__}, got {type(actual).__name__} "
-        f"({actual!r})"
+        f"{what}: expected a {type(expected).__name__}, got {type(actual).__name__} ({actual!r})"
     )
     a = np.asarray(actual)
     e = np.asarray(expected)
@@ -211,8 +210,9 @@ def assert_matches_default(
             assert_values_equal(a, e, f"call {k}: output {i}", rtol=rtol, atol=atol)
             returned.append((f"call {k}: output {i}", a, copy.deepcopy(a)))
         for name, a, e in zip(names, actual_state, expected_state):
-            assert_values_equal(a, e, f"call {k}: shared variable {name} after the call",
-                                rtol=rtol, atol=atol)
+            assert_values_equal(
+                a, e, f"call {k}: shared variable {name} after the call", rtol=rtol, atol=atol
+            )
         for i, (arg, value) in enumerate(zip(args, values)):
             assert_values_equal(arg, value, f"call {k}: argument {i} was modified by the call")
         state = expected_state

@@ -28,5 +28,12 @@ def test_help_describes_the_demo(capsys):
         main(["demo", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--scheduler", "--host", "--port", "--dashboard-address", "--workers", "--delay"):
+    for option in (
+        "--scheduler",
+        "--host",
+        "--port",
+        "--dashboard-address",
+        "--workers",
+        "--delay",
+    ):
         assert option in out

@@ -111,7 +111,9 @@ def test_to_dask_graph_carries_annotations_and_computes_on_the_cluster(mixed_clu
     f = dt.function([x], [y.sum(), x * 2])
     total, doubled = f.to_dask(np.arange(3.0))
     annotations = total.__dask_graph__().layers
-    assert any((layer.annotations or {}).get("resources") == {"GPU": 1} for layer in annotations.values())
+    assert any(
+        (layer.annotations or {}).get("resources") == {"GPU": 1} for layer in annotations.values()
+    )
     with Client(mixed_cluster, set_as_default=False) as client:
         with get_task_stream(client) as ts:
             got = client.compute([total, doubled], sync=True)
@@ -126,9 +128,12 @@ def test_a_killed_worker_is_recomputed_elsewhere():
 
     x = pt.vector("x")
     out = Scale(2.0, delay=1.0)(x).sum() + Scale(3.0, delay=1.0)(x).sum()
-    with LocalCluster(
-        n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=None
-    ) as cluster, Client(cluster, set_as_default=False) as client:
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=None
+        ) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
         f = dt.function([x], out, scheduler=client)
         assert float(f(np.ones(2))) == 10.0
 

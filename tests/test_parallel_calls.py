@@ -64,8 +64,13 @@ def test_pm_sample_in_the_default_mode_runs_independent_terms_concurrently():
             pm.Potential("a", terms[0](mu)[0])
             pm.Potential("b", terms[1](mu + 1)[0])
             idata = pm.sample(
-                draws=20, tune=20, chains=1, random_seed=3, progressbar=False,
-                compute_convergence_checks=False, nuts_sampler="pymc",
+                draws=20,
+                tune=20,
+                chains=1,
+                random_seed=3,
+                progressbar=False,
+                compute_convergence_checks=False,
+                nuts_sampler="pymc",
                 compile_kwargs={} if mode is None else {"mode": mode},
             )
         return idata.posterior["mu"].values

@@ -70,7 +70,9 @@ def test_cheap_stage_between_two_heavy_calls_runs_on_the_cluster():
     a = Scale(2.0)(x)
     b = Scale(3.0)(pt.exp(a) + 1)
     plan = plan_of([x], [b.sum()])
-    between = [t for t in plan.tasks if t.kind == "stage" and t.reason.startswith("cheap nodes between")]
+    between = [
+        t for t in plan.tasks if t.kind == "stage" and t.reason.startswith("cheap nodes between")
+    ]
     assert len(between) == 1 and between[0].where == "cluster"
 
 
