@@ -60,6 +60,9 @@ class _CallableOp(Op):
     ):
         if not callable(fn):
             raise TypeError(f"{type(self).__name__} expected a callable, got {fn!r}")
+        from dasktensor._parallel_calls import ParallelCallsOp
+
+        _compat.register_python_ops_with_numba(_CallableOp, ParallelCallsOp)
         if not (isinstance(name, str) and name.replace("-", "").isalpha()):
             raise ValueError(
                 f"{type(self).__name__}(name=...) expected letters and dashes (it prefixes "

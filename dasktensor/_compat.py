@@ -55,3 +55,35 @@ def inline_op_from_graph(node) -> list:
     memo = dict(zip(op.inner_inputs, node.inputs))
     equiv = clone_get_equiv(op.inner_inputs, op.inner_outputs, copy_inputs=False, memo=memo)
     return [equiv[o] for o in op.inner_outputs]
+
+
+_numba_registered = False
+
+
+def register_python_ops_with_numba(*op_types) -> None:
+    """Run dasktensor's Python Ops in Numba's object mode without a warning (PyTensor 3).
+
+    The Numba backend has no implementation of a Python Op and falls back to object mode
+    with a UserWarning, meant for Ops that would be faster in Numba.  dasktensor's callable
+    Ops call Python functions by design, so the same fallback is registered for them
+    without the warning.  Done once, when the first such Op is made (importing the Numba
+    dispatch imports Numba).
+    """
+    global _numba_registered
+    if _numba_registered or not PYTENSOR_3:
+        return
+    _numba_registered = True
+    import warnings
+
+    try:
+        from pytensor.link.numba.dispatch.basic import generate_fallback_impl, numba_funcify
+    except ImportError:  # pragma: no cover - Numba not installed
+        return
+
+    def object_mode(op, node=None, storage_map=None, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Numba will use object mode")
+            return generate_fallback_impl(op, node, storage_map, **kwargs)
+
+    for op_type in op_types:
+        numba_funcify.register(op_type)(object_mode)

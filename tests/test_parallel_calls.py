@@ -80,3 +80,14 @@ def test_pm_sample_in_the_default_mode_runs_independent_terms_concurrently():
     # the same model without the rewrite, one call at a time
     sequential = pytensor.compile.mode.get_mode("FAST_RUN").excluding("dasktensor_parallel_calls")
     np.testing.assert_array_equal(merged, draws(make_rendezvous(1), sequential))
+
+
+def test_the_default_mode_runs_callable_ops_without_warnings():
+    import warnings
+
+    op = dt.LogpOp(failing_logp, [pt.dvector])
+    x = pt.dvector("x")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # on PyTensor 3: no "Numba will use object mode"
+        f = pytensor.function([x], op(x) + op(2 * x))
+        assert float(f(np.ones(2))) == 6.0
