@@ -40,7 +40,12 @@ def main(calls: int = 200) -> dict[str, float]:
     results = {}
     with (
         LocalCluster(
-            n_workers=1, threads_per_worker=1, host="127.0.0.1", dashboard_address=None
+            n_workers=1,
+            threads_per_worker=1,
+            host="127.0.0.1",
+            dashboard_address=None,
+            # the scheduler's HTTP server would otherwise take port 8787
+            scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
         ) as cluster,
         Client(cluster) as client,
     ):
