@@ -28,18 +28,6 @@ def backend_mode() -> Mode:
     return get_mode("FAST_RUN")
 
 
-def versions() -> dict[str, str]:
-    """Versions of the libraries dasktensor builds on, for reports and ``dasktensor info``."""
-    names = ("dasktensor", "pytensor", "pymc", "dask", "distributed", "numpy")
-    out = {}
-    for name in names:
-        try:
-            out[name] = version(name)
-        except Exception:  # pragma: no cover - dasktensor itself when not installed
-            out[name] = "not installed"
-    return out
-
-
 def inline_op_from_graph(node) -> list:
     """The outputs of an ``OpFromGraph`` node's inner graph, applied to the node's inputs.
 

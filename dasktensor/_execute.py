@@ -210,22 +210,29 @@ class PlanExecutor(TaskGraph):
         run_here("before")
         # 2. cluster tasks, submitted at once (one batch of messages); large arrays go to
         #    the workers once, not once per task that reads them
+        # the arguments of every cluster task, once; _Pending stands for a cluster task's
+        # future, known only once that task is submitted
+        pending = [_Pending(i) for i in range(len(tasks))]
+        args = {t.index: self._args(t.index, values, pending, computed) for t in cluster}
         readers: dict[int, int] = {}  # id(literal) -> number of cluster tasks reading it
         literals = []
-        for t in cluster:
-            deps = self._args(t.index, values, futures, computed)[1]
-            for d in {id(d): d for d in deps if d is not None}.values():  # None: a future
+        for _, deps in args.values():
+            for d in {id(d): d for d in deps if not isinstance(d, _Pending)}.values():
                 readers[id(d)] = readers.get(id(d), 0) + 1
                 literals.append(d)
         scattered = self._scatter_large(client, literals, values, readers)
         for t in cluster:
-            picks, deps = self._args(t.index, values, futures, computed)
+            picks, deps = args[t.index]
+            deps = [
+                futures[d.index] if isinstance(d, _Pending) else scattered.get(id(d), d)
+                for d in deps
+            ]
             ann = t.annotations
             futures[t.index] = client.submit(
                 _run,
                 self.runners[t.index],
                 picks,
-                *[scattered.get(id(d), d) for d in deps],
+                *deps,
                 key=keys[t.index],
                 pure=False,
                 resources=ann.get("resources"),
@@ -289,6 +296,15 @@ class PlanExecutor(TaskGraph):
 
 
 _SCATTER_BYTES = 1 << 18
+
+
+class _Pending:
+    """Placeholder for the future of cluster task ``index`` while arguments are built."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
 
 
 # ----------------------------------------------------------------------------- resources

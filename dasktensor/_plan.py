@@ -179,7 +179,7 @@ def estimated_flops(node: Apply) -> float:
 
 
 def node_weight(node: Apply, heavy_flops: float) -> tuple[Weight, str]:
-    """The weight of one node and the reason, as shown by :attr:`Plan.table`."""
+    """The weight of one node and the reason, as :meth:`Plan.describe` shows it."""
     if is_heavy(node.op):
         return "heavy", "marked heavy"
     flops = estimated_flops(node)
@@ -256,24 +256,6 @@ class Plan:
     def single_stage(self) -> bool:
         """True when the whole graph runs as one in-process stage (nothing to parallelise)."""
         return len(self.tasks) == 1 and self.tasks[0].kind == "stage"
-
-    @property
-    def table(self) -> list[dict[str, object]]:
-        """One row per task: index, key prefix, kind, where and when it runs, size, reason."""
-        return [
-            {
-                "task": t.index,
-                "name": t.name,
-                "kind": t.kind,
-                "where": t.where,
-                "role": t.role,
-                "nodes": len(t.nodes),
-                "deps": list(t.deps),
-                "reason": t.reason,
-                "annotations": dict(t.annotations),
-            }
-            for t in self.tasks
-        ]
 
     def describe(self, nodes: bool = False) -> str:
         """The plan as text: one line per task, then its op types (or, with ``nodes=True``,

@@ -171,11 +171,6 @@ class TaskRunner:
         fn.trust_input = True
         return fn
 
-    def compile(self) -> None:
-        """Compile one copy now (otherwise the first call compiles)."""
-        fn = self._acquire()
-        self._release(fn)
-
     def _acquire(self):
         with self._pool_lock:
             if self._pool:
