@@ -44,3 +44,16 @@ def sleep_seconds(seconds: float) -> float:
     """The raw-Dask floor's task: sleep like a heavy node, with nothing around it."""
     time.sleep(seconds)
     return seconds
+
+
+class Normal:
+    """A remote model for the latency benchmarks: a standard normal's logp and gradient,
+    after ``delay`` seconds of (simulated) work."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = float(delay)
+
+    def logp_grad(self, x):
+        if self.delay:
+            time.sleep(self.delay)
+        return -0.5 * float(x @ x), -x

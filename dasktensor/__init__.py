@@ -31,6 +31,8 @@ from dasktensor._plan import Task as Task
 from dasktensor._plan import is_heavy as is_heavy
 from dasktensor._plan import mark_heavy as mark_heavy
 from dasktensor._plan import plan_graph as plan_graph
+from dasktensor._remote import RemoteModel as RemoteModel
+from dasktensor._remote import RemoteModelError as RemoteModelError
 
 try:
     __version__ = _version("dasktensor")
@@ -48,6 +50,8 @@ __all__ = [
     "ParallelCallsOp",
     "Placed",
     "Plan",
+    "RemoteModel",
+    "RemoteModelError",
     "Task",
     "annotate",
     "arrays_to_arrays_op",

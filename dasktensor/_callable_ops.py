@@ -69,6 +69,8 @@ class _CallableOp(Op):
                 f"Dask keys), got {name!r}"
             )
         self.fn = fn
+        #: the function reaches its model itself (a RemoteModel method): run on the caller
+        self.dasktensor_remote = bool(getattr(fn, "dasktensor_remote", False))
         self.itypes = _as_types(itypes, f"{type(self).__name__}(itypes=...)")
         self.otypes = _as_types(otypes, f"{type(self).__name__}(otypes=...)")
         self.dasktensor_name = name
@@ -116,10 +118,13 @@ class _CallableOp(Op):
             x = pt.specify_shape(x, want.shape)  # the declared static shape, checked at run
         return x
 
-    def _check_outputs(self, results, node) -> list[np.ndarray]:
+    def _check_outputs(self, results, node, inputs) -> list[np.ndarray]:
         outs = []
         for j, (value, var) in enumerate(zip(results, node.outputs)):
             arr = np.asarray(value, dtype=var.dtype)
+            if not arr.flags.writeable or any(np.may_share_memory(arr, x) for x in inputs):
+                # PyTensor owns a node's outputs and may overwrite them in place later
+                arr = arr.copy()
             want = var.type
             if arr.ndim != want.ndim or any(
                 need is not None and have != need for have, need in zip(arr.shape, want.shape)
@@ -165,7 +170,7 @@ class _CallableOp(Op):
                 f"{self}: {getattr(self.fn, '__name__', 'fn')} returned {len(results)} "
                 f"value(s), expected {len(node.outputs)}"
             )
-        for storage, value in zip(output_storage, self._check_outputs(results, node)):
+        for storage, value in zip(output_storage, self._check_outputs(results, node, inputs)):
             storage[0] = value
 
     def _no_gradient(self, inputs, outputs, cotangents):

@@ -111,6 +111,8 @@ def connect(
         "processes": processes if processes is not None else cfg["processes"],
         "host": host,
         "scheduler_port": scheduler_port,
+        # workers import dasktensor (and PyTensor, ~1 s) as they start, not on first use
+        "preload": ["dasktensor"],
         **cluster_kwargs,
     }
     dashboard = dashboard_address if dashboard_address is not None else cfg["dashboard-address"]

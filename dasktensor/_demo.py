@@ -1,46 +1,88 @@
-"""The graph behind ``dasktensor demo``: four slow model calls between cheap stages."""
+"""The model behind ``dasktensor demo``: a PyMC model whose likelihood is remote model calls.
+
+Each *site* stands for an expensive model owned by someone else (a simulator, a solver, a
+neural surrogate): it holds its own data, and its ``logp_grad`` takes ``delay`` seconds
+before returning the log-likelihood of a normal model with mean ``mu`` and log standard
+deviation ``log_sigma``, and its gradient.  The PyMC model puts priors on ``mu`` and
+``log_sigma`` and adds one likelihood term per site; the terms do not depend on each
+other, so one evaluation of the model's log-density can call all sites at once.
+"""
 
 from __future__ import annotations
 
+import functools
+import string
 import time
 
 import numpy as np
-import pytensor.tensor as pt
-from pytensor.graph.basic import Apply
-from pytensor.graph.op import Op
 
 
-class SlowModel(Op):
-    """Stand-in for an expensive model call: sleeps ``delay`` seconds, then ``sin(x) * k``.
+class Site:
+    """A slow model with its own data: ``logp_grad([mu, log_sigma]) -> (logp, grad)``."""
 
-    Marked heavy, so the planner gives each call a task of its own.
-    """
-
-    dasktensor_heavy = True
-    dasktensor_name = "slow-model"
-    __props__ = ("delay", "k")
-
-    def __init__(self, delay: float, k: float):
+    def __init__(self, seed: int, delay: float, n: int = 250):
+        rng = np.random.default_rng(seed)
+        self.data = rng.normal(loc=1.5, scale=0.8, size=n)
         self.delay = float(delay)
-        self.k = float(k)
 
-    def make_node(self, x):
-        x = pt.as_tensor_variable(x)
-        if x.ndim != 1:
-            raise TypeError(f"{self} expected a vector, got {x.type}")
-        return Apply(self, [x], [x.type()])
-
-    def perform(self, node, inputs, outputs):
-        time.sleep(self.delay)
-        outputs[0][0] = np.sin(inputs[0]) * self.k
+    def logp_grad(self, params):
+        time.sleep(self.delay)  # the expensive part of a real model
+        mu, log_sigma = float(params[0]), float(params[1])
+        r = (self.data - mu) * np.exp(-log_sigma)
+        logp = float(np.sum(-0.5 * r * r) - r.size * (log_sigma + 0.5 * np.log(2 * np.pi)))
+        grad = np.array([np.sum(r) * np.exp(-log_sigma), np.sum(r * r) - r.size])
+        return logp, grad
 
 
-def demo_graph(delay: float, n_models: int = 4, n_cheap: int = 50):
-    """A branchy graph: cheap preprocessing, ``n_models`` slow calls, cheap combination."""
-    x = pt.vector("x")
-    h = x
-    for i in range(n_cheap):  # cheap nodes before the models
-        h = pt.tanh(h * (1.0 + i / n_cheap)) + x
-    ys = [SlowModel(delay, k + 1.0)(h + k) for k in range(n_models)]
-    total = sum((y**2).sum() for y in ys)
-    return x, [total, pt.stack([y.mean() for y in ys])]
+def site_names(n: int) -> list[str]:
+    return [f"site-{string.ascii_lowercase[i]}" for i in range(n)]
+
+
+def remote_sites(n: int, delay: float, seed: int = 0):
+    """``n`` RemoteModels, one per site, each built on the workers by ``Site(seed+i)``."""
+    import dasktensor as dt
+
+    return [
+        dt.RemoteModel(functools.partial(Site, seed + i, delay), name=name)
+        for i, name in enumerate(site_names(n))
+    ]
+
+
+def site_ops(models):
+    """One ``LogpGradOp`` per remote site."""
+    import pytensor.tensor as pt
+
+    return [m.logp_grad_op("logp_grad", [pt.dvector], name=m.name) for m in models]
+
+
+def local_site_ops(n: int, delay: float, seed: int = 0):
+    """The same sites computed in this process: the serial baseline."""
+    import pytensor.tensor as pt
+
+    import dasktensor as dt
+
+    return [
+        dt.LogpGradOp(Site(seed + i, delay).logp_grad, [pt.dvector], name=name)
+        for i, name in enumerate(site_names(n))
+    ]
+
+
+def build_model(ops):
+    """Priors on ``mu`` and ``log_sigma``, one likelihood term per op."""
+    import pymc as pm
+    import pytensor.tensor as pt
+
+    with pm.Model() as model:
+        mu = pm.Normal("mu", 0.0, 5.0)
+        log_sigma = pm.Normal("log_sigma", 0.0, 1.0)
+        params = pt.stack([mu, log_sigma])
+        for op in ops:
+            pm.Potential(op.dasktensor_name, op(params)[0])
+    return model
+
+
+def serial_mode():
+    """PyTensor's default mode without the rewrite that runs independent calls at once."""
+    from pytensor.compile.mode import get_default_mode
+
+    return get_default_mode().excluding("dasktensor_parallel_calls")

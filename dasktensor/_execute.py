@@ -31,6 +31,7 @@ from typing import Any
 import dask
 import dask.threaded
 from dask.base import get_scheduler
+from dask.task_spec import Task as DaskTask
 from pytensor.compile.sharedvalue import SharedVariable
 
 from dasktensor import _config
@@ -105,6 +106,7 @@ class SchedulerRef:
     """
 
     def __init__(self, scheduler=None):
+        self.pid = os.getpid()  # a Client is of no use in a forked child
         self.client = None
         self.address: str | None = None
         self.get: Callable | str | None = None
@@ -135,6 +137,7 @@ class SchedulerRef:
         return {"address": address, "get": self.get}
 
     def __setstate__(self, state):
+        self.pid = os.getpid()
         self.client = None
         self.address = state["address"]
         self.get = state["get"]
@@ -150,7 +153,7 @@ class SchedulerRef:
 
     def resolve(self):
         """Return ``("client", Client)`` or ``("get", scheduler_get_callable)``."""
-        if self.client is not None and self.client.status == "running":
+        if self.client is not None and self.pid == os.getpid() and self.client.status == "running":
             return "client", self.client
         if self.address is not None:
             return "client", client_for_address(self.address)
@@ -182,14 +185,40 @@ class PlanExecutor(TaskGraph):
     def __call__(self, *values):
         kind, scheduler = self.scheduler.resolve()
         if kind == "client":
+            if any(t.role == "remote" for t in self.plan.tasks):
+                return self._call_with_remote(scheduler, values)
             return self._call_distributed(scheduler, values)
-        dsk, keys = self.graph(values)
+        return self._call_local(scheduler, self.graph(values), values)
+
+    def _call_local(self, get, graph: tuple[dict, list[str]], values):
+        dsk, keys = graph
         needed = sorted({src[1] for src in self.output_sources if src[0] == "task"})
-        got = scheduler(dsk, [keys[i] for i in needed])
+        kwargs = {}
+        n_remote = sum(t.role == "remote" for t in self.plan.tasks)
+        if n_remote and get is dask.threaded.get:
+            # remote calls wait on the network, not on a core: one thread for each
+            kwargs["num_workers"] = max(os.cpu_count() or 1, n_remote)
+        got = get(dsk, [keys[i] for i in needed], **kwargs)
         results: list = [None] * len(keys)
         for i, r in zip(needed, got):
             results[i] = r
         return self._outputs(values, results)
+
+    def _call_with_remote(self, client, values):
+        """A plan with remote-model calls, on a distributed client.
+
+        The calls are made from the caller, straight to the workers holding their models,
+        so the plan runs on the caller's threaded scheduler; tasks that belong on the
+        cluster (other heavy and costly work) are submitted from there, each one as its
+        inputs are ready.
+        """
+        dsk, keys = self.graph(values)
+        for t in self.plan.tasks:
+            if t.role == "cluster":
+                key = keys[t.index]
+                body = dsk[key]
+                dsk[key] = DaskTask(key, _on_cluster, client, key, dict(t.annotations), *body.args)
+        return self._call_local(dask.threaded.get, (dsk, keys), values)
 
     def _call_distributed(self, client, values):
         tasks = self.plan.tasks
@@ -296,6 +325,23 @@ class PlanExecutor(TaskGraph):
 
 
 _SCATTER_BYTES = 1 << 18
+
+
+def _on_cluster(client, key: str, annotations: dict, runner, picks, *deps):
+    """Task body on the caller: run a task on the cluster and wait for its result."""
+    return client.submit(
+        _run,
+        runner,
+        picks,
+        *deps,
+        key=key,
+        pure=False,
+        resources=annotations.get("resources"),
+        retries=annotations.get("retries"),
+        priority=annotations.get("priority", 0),
+        workers=annotations.get("workers"),
+        allow_other_workers=annotations.get("allow_other_workers", False),
+    ).result()
 
 
 class _Pending:

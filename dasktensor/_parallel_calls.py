@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 import threading
-from types import SimpleNamespace
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 from pytensor.compile.mode import optdb
 from pytensor.graph.basic import Apply

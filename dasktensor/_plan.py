@@ -200,7 +200,8 @@ class Task:
     kind: Literal["stage", "heavy"]
     #: when and where the task runs: on the cluster, or on the caller before submitting
     #: the cluster's work, beside it (while the cluster works) or after it
-    role: Literal["cluster", "before", "beside", "after"]
+    #: (``"remote"``: a remote-model call, made from the caller straight to its worker)
+    role: Literal["cluster", "remote", "before", "beside", "after"]
     nodes: tuple[Apply, ...]
     inputs: tuple[Variable, ...]
     outputs: tuple[Variable, ...]
@@ -469,7 +470,11 @@ def _make_plan(fgraph: FunctionGraph, blocks: list[list[Apply]], weights) -> Pla
 
     fgraph_outputs = set(fgraph.outputs)
     clients = fgraph.clients
-    heavy_or_costly = [any(weights[n][0] != "cheap" for n in blocks[old]) for old in order]
+    remote = [any(_is_remote(n) for n in blocks[old]) for old in order]
+    heavy_or_costly = [
+        any(weights[n][0] != "cheap" for n in blocks[old]) and not remote[new]
+        for new, old in enumerate(order)
+    ]
     deps_new = [sorted(renumber[d] for d in deps_of[old]) for old in order]
 
     # cheap stages between two cluster tasks run on the cluster
@@ -507,7 +512,7 @@ def _make_plan(fgraph: FunctionGraph, blocks: list[list[Apply]], weights) -> Pla
         heavy_nodes = [n for n in block if weights[n][0] == "heavy"]
         if heavy_nodes:
             (node,) = heavy_nodes  # heavy nodes are never fused
-            kind, role = "heavy", "cluster"
+            kind, role = "heavy", "remote" if remote[new] else "cluster"
             name = op_label(node.op)
             reason = weights[node][1]
             annotations = dict(getattr(node.op, "dasktensor_annotations", None) or {})
@@ -544,6 +549,11 @@ def _make_plan(fgraph: FunctionGraph, blocks: list[list[Apply]], weights) -> Pla
             )
         )
     return Plan(fgraph=fgraph, tasks=tuple(tasks))
+
+
+def _is_remote(node: Apply) -> bool:
+    """A call that reaches its model itself (``RemoteModel`` Ops): made from the caller."""
+    return bool(getattr(node.op, "dasktensor_remote", False))
 
 
 def _block_dag(nodes, block_of) -> tuple[dict[int, set[int]], dict[int, set[int]]]:

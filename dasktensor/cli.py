@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 
 def _demo(args) -> int:
+    import warnings
+
     import numpy as np
-    import pytensor
 
     import dasktensor as dt
-    from dasktensor._demo import demo_graph
+    from dasktensor import _demo as demo
 
     if args.scheduler:
         print(f"Connecting to the scheduler at {args.scheduler} ...")
@@ -27,53 +27,90 @@ def _demo(args) -> int:
             scheduler_port=args.port,
             dashboard_address=args.dashboard_address,
         )
+    models = []
     try:
+        import pymc as pm
+
         print(f"Dashboard: {client.dashboard_link}")
-        x, outputs = demo_graph(args.delay, n_models=args.models)
-        f = dt.function([x], outputs, scheduler=client)
-        reference = pytensor.function([x], outputs)
-        print()
-        print(f.plan)
-        print()
-        xv = np.linspace(-1.0, 1.0, 1000)
-        got, want = f(xv), reference(xv)  # first calls compile
-        # to round-off: on PyTensor 3 Numba's fast-math may sum separately compiled stages
-        # in another order than the whole-graph function
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
-        print(f"Result check against PyTensor's default mode: OK (total = {float(got[0]):.6f})")
-
-        def median(fn):
-            times = []
-            for _ in range(args.calls):
-                t0 = time.perf_counter()
-                fn(xv)
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
-
-        t_default = median(reference)
-        t_dask = median(f)
+        n_workers = len(client.scheduler_info()["workers"])
+        t0 = time.perf_counter()
+        models = demo.remote_sites(args.models, args.delay, seed=args.seed)
+        for m in models:
+            m.start()
         print(
-            f"{args.models} model calls of {args.delay * 1e3:.0f} ms each, median of "
-            f"{args.calls} calls:\n"
-            f"  default mode (serial): {t_default * 1e3:8.1f} ms\n"
-            f"  dasktensor:            {t_dask * 1e3:8.1f} ms\n"
-            f"  speed-up:              {t_default / t_dask:8.2f}x "
-            f"(ideal {min(args.models, len(client.scheduler_info()['workers']))}x)"
+            f"{args.models} remote models ({', '.join(m.name for m in models)}), each built "
+            f"once on each of the {n_workers} workers: {time.perf_counter() - t0:.2f} s"
         )
+        settings = dict(
+            draws=args.draws,
+            tune=args.tune,
+            chains=args.chains,
+            cores=args.cores,
+            random_seed=args.seed,
+            progressbar=False,
+            compute_convergence_checks=False,
+        )
+        print(
+            f"Sampling: {args.chains} chain(s) x ({args.tune} tune + {args.draws} draws), "
+            f"{args.cores} process(es); every log-density evaluation makes {args.models} "
+            f"model calls of {args.delay * 1e3:g} ms"
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PyMC's notes on short runs
+            t0 = time.perf_counter()
+            with demo.build_model(demo.site_ops(models)):
+                remote = pm.sample(**settings)
+            t_remote = time.perf_counter() - t0
+            print(f"  remote calls, concurrently on the cluster: {t_remote:8.2f} s")
+            if args.no_serial:
+                t_serial = None
+            else:
+                t0 = time.perf_counter()
+                with demo.build_model(demo.local_site_ops(args.models, args.delay, args.seed)):
+                    serial = pm.sample(**settings, compile_kwargs={"mode": demo.serial_mode()})
+                t_serial = time.perf_counter() - t0
+        if t_serial is not None:
+            same = all(
+                np.array_equal(remote.posterior[v].values, serial.posterior[v].values)
+                for v in ("mu", "log_sigma")
+            )
+            print(f"  the same model, calls one after another:   {t_serial:8.2f} s")
+            print(
+                f"  speed-up: {t_serial / t_remote:.2f}x "
+                f"(ideal {min(args.models, n_workers)}x); identical draws: {same}"
+            )
+        print()
+        print(_summary(remote))
         if args.keep_open:
-            print("Cluster kept open; press Ctrl+C to stop.")
+            print(f"Cluster kept open; dashboard: {client.dashboard_link}; Ctrl+C stops it.")
             try:
                 while True:
                     time.sleep(1)
             except KeyboardInterrupt:
                 pass
     finally:
+        for m in models:
+            try:
+                m.close()
+            except Exception as e:  # the cluster may be gone already; say so, go on
+                print(f"(could not release {m!r}: {e})", file=sys.stderr)
         if args.scheduler:
             client.close()
         else:
             client.shutdown()
     return 0
+
+
+def _summary(idata) -> str:
+    """Posterior mean, sd and 94% interval of each variable (ArviZ's summary if present)."""
+    import numpy as np
+
+    lines = [f"{'':<10} {'mean':>8} {'sd':>8} {'hdi_3%':>8} {'hdi_97%':>8}"]
+    for name, values in idata.posterior.data_vars.items():
+        v = np.asarray(values).ravel()
+        lo, hi = np.quantile(v, [0.03, 0.97])
+        lines.append(f"{name:<10} {v.mean():8.3f} {v.std():8.3f} {lo:8.3f} {hi:8.3f}")
+    return "Posterior (remote run):\n" + "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,11 +120,12 @@ def main(argv: list[str] | None = None) -> int:
 
     demo = sub.add_parser(
         "demo",
-        help="run a branchy graph with slow model calls on a Dask cluster",
+        help="sample a PyMC model whose likelihood calls remote models on a Dask cluster",
         description=(
-            "Compile a graph with several slow model calls, run it on an embedded "
-            "LocalCluster (or --scheduler ADDR), print the plan, check the result against "
-            "PyTensor's default mode, and compare timings."
+            "Sample a PyMC model whose likelihood is several independent slow remote "
+            "model calls, on an embedded LocalCluster (or --scheduler ADDR); print the "
+            "dashboard link, the sampling time against the same model evaluated serially "
+            "in this process, and the posterior summary."
         ),
     )
     demo.add_argument("--scheduler", metavar="ADDR", help="address of a running scheduler")
@@ -97,9 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         "--dashboard-address", default="127.0.0.1:0", help="embedded dashboard (127.0.0.1:0)"
     )
     demo.add_argument("--workers", type=int, default=4, help="embedded worker processes (4)")
-    demo.add_argument("--models", type=int, default=4, help="number of slow model calls (4)")
-    demo.add_argument("--delay", type=float, default=0.2, help="seconds per model call (0.2)")
-    demo.add_argument("--calls", type=int, default=5, help="timed calls per mode (5)")
+    demo.add_argument("--models", type=int, default=4, help="remote models in the likelihood (4)")
+    demo.add_argument("--delay", type=float, default=0.02, help="seconds per model call (0.02)")
+    demo.add_argument("--draws", type=int, default=100, help="draws per chain (100)")
+    demo.add_argument("--tune", type=int, default=100, help="tuning steps per chain (100)")
+    demo.add_argument("--chains", type=int, default=2, help="chains (2)")
+    demo.add_argument("--cores", type=int, default=2, help="sampler processes (2)")
+    demo.add_argument("--seed", type=int, default=1, help="random seed (1)")
+    demo.add_argument(
+        "--no-serial", action="store_true", help="skip the serial run it is compared with"
+    )
     demo.add_argument(
         "--keep-open", action="store_true", help="keep the cluster up to browse the dashboard"
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import dask
 import numpy as np
 import pytensor

@@ -1,0 +1,67 @@
+"""Model classes for RemoteModel tests (importable by worker processes)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+
+class Probe:
+    """A model that says where it runs; every build appends its process id to a file."""
+
+    def __init__(self, log: str | None = None, delay: float = 0.0):
+        self.pid = os.getpid()
+        self.delay = delay
+        self.calls = 0
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(f"{self.pid}\n")
+
+    def logp_grad(self, x, mu):
+        """log N(x | mu, 1) summed, and its gradients with respect to x and mu."""
+        self.calls += 1
+        time.sleep(self.delay)
+        r = x - mu
+        return -0.5 * float(r @ r), -r, np.asarray(r.sum())
+
+    def where(self, seconds=0.0):
+        """Sleeps, then returns this process's id and when the call ran."""
+        t0 = time.time()
+        time.sleep(float(seconds))
+        return self.pid, np.array([t0, time.time()])
+
+    def sum_and_corner(self, x):
+        """Depends on the memory layout only if strides are mishandled."""
+        return np.array([x.sum(), x[0, -1]])
+
+    def refuse(self, x):
+        raise FloatingPointError(f"the model refuses {x.tolist()}")
+
+    def fails_first_time(self, x, marker):
+        """Raises on the first call in the whole cluster (a file records it), then works."""
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            raise ConnectionError("transient failure of the model service")
+        return float(np.sum(x))
+
+    def scale(self, x, k):
+        return x * k
+
+
+def broken_factory():
+    raise RuntimeError("weights file not found")
+
+
+def record_then_sleep(pidfile: str, seconds: float):
+    """A model function for the killed-worker test: says where it runs, then works."""
+
+    class Sleeper:
+        def work(self, x):
+            with open(pidfile, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            time.sleep(seconds)
+            return x * 2.0
+
+    return Sleeper()

@@ -1,0 +1,268 @@
+"""RemoteModel: built once per worker, called straight on its workers, robust to failures."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+import dask
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from _models import Probe, broken_factory, record_then_sleep
+from conftest import _cluster
+from pytensor.gradient import verify_grad
+
+import dasktensor as dt
+
+
+@pytest.fixture(scope="module")
+def four_workers():
+    cluster = _cluster(n_workers=4)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def four(four_workers):
+    """A Client of a 4-worker process cluster, set as the default client."""
+    from distributed import Client
+
+    with Client(four_workers) as c:
+        yield c
+
+
+def builds(log) -> list[int]:
+    return [int(line) for line in log.read_text().split()]
+
+
+def test_factory_runs_once_per_worker(four, tmp_path):
+    log = tmp_path / "builds"
+    model = dt.RemoteModel(functools.partial(Probe, str(log)), name="probe")
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: model.call("where"), range(32)))
+    copy = pickle.loads(pickle.dumps(model))  # a copy reaches the same replicas
+    assert copy.call("where")[0] in builds(log)
+    worker_pids = set(four.run(os.getpid).values())
+    assert sorted(builds(log)) == sorted(worker_pids)  # every worker once, no more
+    assert set(model.build_counts().values()) == {1}
+    assert sorted(model.workers()) == sorted(four.run(os.getpid))
+    model.close()
+    assert model.workers() == []
+
+
+def test_eight_concurrent_calls_spread_over_four_workers(four):
+    model = dt.RemoteModel(Probe, name="probe")
+    model.start()
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: model.call("where", 0.3), range(8)))
+    pids = [pid for pid, _ in results]
+    assert set(pids) == set(four.run(os.getpid).values())
+    assert all(pids.count(p) == 2 for p in set(pids))  # fewest calls in flight first
+    model.close()
+
+
+def test_replicas_limits_the_workers_that_hold_the_model(four, tmp_path):
+    log = tmp_path / "builds"
+    model = dt.RemoteModel(functools.partial(Probe, str(log)), name="two", replicas=2)
+    assert len(model.start()) == 2
+    with ThreadPoolExecutor(4) as pool:
+        pids = {pid for pid, _ in pool.map(lambda _: model.call("where", 0.1), range(8))}
+    assert pids == set(builds(log)) and len(pids) == 2
+    model.close()
+
+
+def test_gradient_of_a_remote_logp_grad_op(four):
+    model = dt.RemoteModel(Probe, name="normal")
+    op = model.logp_grad_op("logp_grad", [pt.dvector, pt.dscalar])
+    rng = np.random.default_rng(1)
+    verify_grad(lambda x, mu: op(x, mu)[0], [rng.normal(size=3), np.array(0.2)], rng=rng)
+    model.close()
+
+
+@pytest.mark.parametrize("mode", ["DASK", None])
+def test_independent_remote_calls_run_concurrently(four, mode):
+    model = dt.RemoteModel(Probe, name="probe")
+    where = model.arrays_to_arrays_op("where", [pt.dscalar], [pt.lscalar, pt.dvector])
+    s = pt.dscalar("s")
+    outs = [where(s * (1 + 1e-6 * k))[1] for k in range(4)]  # four independent calls
+    f = pytensor.function([s], pt.stack(outs), mode=mode)
+    if mode is None:  # PyTensor's own mode: the rewrite made one node of the four calls
+        (node,) = [n for n in f.maker.fgraph.toposort() if isinstance(n.op, dt.ParallelCallsOp)]
+        assert len(node.op.ops) == 4
+    intervals = f(0.4)
+    assert max(intervals[:, 0]) < min(intervals[:, 1])  # all four were running at once
+    model.close()
+
+
+def test_dask_mode_mixes_remote_calls_with_cluster_tasks(four):
+    from _ops import Scale
+
+    model = dt.RemoteModel(Probe, name="probe")
+    scale = model.arrays_to_arrays_op("scale", [pt.dvector, pt.dscalar], [pt.dvector])
+    x = pt.dvector("x")
+    remote = scale(Scale(2.0)(x), 3.0)  # a cluster task feeds a remote call
+    out = remote.sum() + Scale(5.0)(remote).sum()
+    f = dt.function([x], out)
+    assert {t.role for t in f.plan.tasks} >= {"remote", "cluster"}
+    assert float(f(np.ones(3))) == pytest.approx(6 * 6 * 3)
+    model.close()
+
+
+def test_strided_and_non_contiguous_inputs(four):
+    model = dt.RemoteModel(Probe, name="probe")
+    op = model.arrays_to_arrays_op("sum_and_corner", [pt.dmatrix], [pt.dvector])
+    m = pt.dmatrix("m")
+    f = pytensor.function([m], op(m))
+    base = np.arange(24.0).reshape(4, 6)
+    for value in (base[:, ::2], base.T, np.asfortranarray(base), base[::-2, 1:]):
+        np.testing.assert_allclose(f(value), [value.sum(), value[0, -1]])
+        np.testing.assert_allclose(
+            model.call("sum_and_corner", value), [value.sum(), value[0, -1]]
+        )
+    model.close()
+
+
+def test_remote_exception_has_its_type_and_traceback_and_the_next_call_works(four):
+    model = dt.RemoteModel(Probe, name="probe")
+    refuse = model.logp_op("refuse", [pt.dvector])
+    f = pytensor.function([x := pt.dvector("x")], refuse(x))
+    with pytest.raises(FloatingPointError, match=r"the model refuses \[1.0, 2.0\]") as info:
+        f(np.array([1.0, 2.0]))
+    text = "".join(traceback.format_tb(info.value.__traceback__))
+    assert "_models.py" in text and "in refuse" in text  # the remote frame
+    assert model.call("where")[0] in four.run(os.getpid).values()
+    model.close()
+
+
+def test_a_failing_factory_reaches_the_caller():
+    from distributed import Client
+
+    with _cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+        model = dt.RemoteModel(broken_factory, name="broken", scheduler=client)
+        with pytest.raises(RuntimeError, match="weights file not found") as info:
+            model.call("anything")
+        assert "broken_factory" in "".join(traceback.format_tb(info.value.__traceback__))
+
+
+def test_a_transient_failure_succeeds_with_retries(four, tmp_path):
+    marker = str(tmp_path / "failed-once")
+    model = dt.RemoteModel(Probe, name="probe", retries=1)
+    assert model.call("fails_first_time", np.ones(2), marker) == 2.0
+    assert os.path.exists(marker)  # the first attempt did fail
+    once = dt.RemoteModel(Probe, name="probe")
+    with pytest.raises(ConnectionError, match="transient failure"):
+        once.call("fails_first_time", np.ones(2), str(tmp_path / "again"))
+    model.close()
+    once.close()
+
+
+def test_a_call_that_does_not_return_in_time_fails_and_the_next_one_works(four):
+    model = dt.RemoteModel(Probe, name="probe", timeout=0.5)
+    with pytest.raises(TimeoutError, match=r"did not return within 0.5 s"):
+        model.call("where", 3.0)
+    assert model.call("where", 0.0)[0] in four.run(os.getpid).values()
+    model.close()
+
+
+def test_no_worker_with_the_resource_fails_clearly(four):
+    model = dt.RemoteModel(Probe, name="gpu-model", resources={"GPU": 1})
+    with dask.config.set({"dasktensor.placement.resource-timeout": "0.5s"}):
+        with pytest.raises(dt.NoWorkerWithResourcesError, match=r"\{'GPU': 1\}"):
+            model.call("where")
+
+
+def test_without_a_cluster_the_error_says_how_to_get_one():
+    model = dt.RemoteModel(Probe, name="probe")
+    with pytest.raises(dt.RemoteModelError, match=r"needs a Dask cluster: call dt.connect\(\)"):
+        model.call("where")
+
+
+def test_bad_options_fail_naming_what_was_expected():
+    with pytest.raises(TypeError, match="expected a callable factory, got 3"):
+        dt.RemoteModel(3)
+    with pytest.raises(ValueError, match=r"replicas=...\) expected an int >= 1, got 0"):
+        dt.RemoteModel(Probe, replicas=0)
+    with pytest.raises(ValueError, match=r"timeout=...\) expected a number of seconds > 0"):
+        dt.RemoteModel(Probe, timeout=-1)
+    with pytest.raises(TypeError, match="expected a method name, got 'not a name'"):
+        dt.RemoteModel(Probe).logp_op("not a name", [pt.dvector])
+
+
+def test_calls_from_threads_after_asyncio_run_and_inside_a_running_loop(four):
+    model = dt.RemoteModel(Probe, name="probe")
+    op = model.logp_grad_op("logp_grad", [pt.dvector, pt.dscalar])
+    x, mu = pt.dvector("x"), pt.dscalar("mu")
+    f = pytensor.function([x, mu], op(x, mu)[0])
+    want = -0.5 * 2.0
+
+    async def main():
+        assert float(f(np.ones(2), 0.0)) == want  # blocking call inside a running loop
+        got = await model.acall("logp_grad", np.ones(2), 0.0)
+        return got[0]
+
+    assert asyncio.run(main()) == want
+    assert float(f(np.ones(2), 0.0)) == want  # after asyncio.run()
+    with ThreadPoolExecutor(4) as pool:
+        assert set(pool.map(lambda _: float(f(np.ones(2), 0.0)), range(16))) == {want}
+    model.close()
+
+
+def test_a_killed_worker_mid_call_is_replaced_and_the_call_returns(tmp_path):
+    from distributed import Client
+
+    pidfile = tmp_path / "pids"
+    with _cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+        model = dt.RemoteModel(
+            functools.partial(record_then_sleep, str(pidfile), 1.0),
+            name="sleeper",
+            scheduler=client,
+        )
+        assert len(model.start()) == 2
+        op = model.arrays_to_arrays_op("work", [pt.dvector], [pt.dvector])
+        f = pytensor.function([x := pt.dvector("x")], op(x))
+
+        def kill_the_first_caller():
+            while not pidfile.exists():
+                threading.Event().wait(0.05)
+            os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_the_first_caller)
+        killer.start()
+        np.testing.assert_array_equal(f(np.arange(3.0)), [0.0, 2.0, 4.0])
+        killer.join()
+        assert len(set(pidfile.read_text().split())) == 2  # it ran again elsewhere
+
+
+def test_ops_and_functions_pickle_into_another_process(four, tmp_path):
+    model = dt.RemoteModel(Probe, name="probe", scheduler=four)
+    op = model.logp_grad_op("logp_grad", [pt.dvector, pt.dscalar])
+    x, mu = pt.dvector("x"), pt.dscalar("mu")
+    f = pytensor.function([x, mu], op(x, mu)[0])
+    (tmp_path / "f.pkl").write_bytes(pickle.dumps(f))
+    before = model.start()
+    script = textwrap.dedent(
+        f"""
+        import pickle, numpy as np
+        f = pickle.loads(open({str(tmp_path / "f.pkl")!r}, "rb").read())
+        print(float(f(np.ones(3), 0.0)))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.split()[-1]) == -1.5
+    assert sorted(model.build_counts()) == sorted(before)  # the same replicas served it
+    model.close()
