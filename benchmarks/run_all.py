@@ -1,7 +1,7 @@
-"""Run the three dasktensor benchmarks and print one summary table.
+"""Run the dasktensor benchmarks and print one summary table.
 
 Run: ``python benchmarks/run_all.py`` (optionally with names: ``python
-benchmarks/run_all.py a c``).  Each benchmark prints its own details first; the table
+benchmarks/run_all.py a p1``).  Each benchmark prints its own details first; the table
 at the end has one row per metric: benchmark, metric, measured, target, met?.  Timings
 on a small shared machine are noisy: read them with the load-average rows and the
 raw-Dask floors printed beside them.
@@ -22,6 +22,9 @@ BENCHMARKS = {
     "a": "bench_a_overhead",
     "b": "bench_b_branches",
     "c": "bench_c_cheap_heavy",
+    "p1": "bench_p1_latency",
+    "p2": "bench_p2_remote_calls",
+    "p5": "bench_p5_sampling",
 }
 
 

@@ -136,8 +136,12 @@ class _CallableOp(Op):
             outs.append(arr)
         return outs
 
+    def _convert(self, out) -> tuple:
+        """The tuple of outputs from what ``fn`` returned."""
+        return (out,)
+
     def _results(self, inputs) -> tuple:
-        return (self.fn(*inputs),)
+        return self._convert(self.fn(*inputs))
 
     def _call(self, inputs) -> tuple:
         if self.timeout is None:
@@ -164,7 +168,10 @@ class _CallableOp(Op):
         return box["value"]
 
     def perform(self, node, inputs, output_storage):
-        results = self._call(inputs)
+        self._store(node, self._call(inputs), inputs, output_storage)
+
+    def _store(self, node, results: tuple, inputs, output_storage) -> None:
+        """Check ``fn``'s results against the node's outputs and put them in storage."""
         if len(results) != len(node.outputs):
             raise ValueError(
                 f"{self}: {getattr(self.fn, '__name__', 'fn')} returned {len(results)} "
@@ -212,8 +219,7 @@ class ArraysToArraysOp(_CallableOp):
     def __init__(self, fn, itypes, otypes, *, name="arrays-remote", **annotations):
         super().__init__(fn, itypes, otypes, name=name, **annotations)
 
-    def _results(self, inputs) -> tuple:
-        out = self.fn(*inputs)
+    def _convert(self, out) -> tuple:
         if len(self.otypes) == 1:
             return (out,)
         return tuple(out)
@@ -282,8 +288,7 @@ class LogpGradOp(_CallableOp):
                 )
         super().__init__(fn, itypes, [pt.dscalar, *itypes], name=name, **annotations)
 
-    def _results(self, inputs) -> tuple:
-        out = self.fn(*inputs)
+    def _convert(self, out) -> tuple:
         if not isinstance(out, tuple | list):
             raise ValueError(
                 f"{self}: {getattr(self.fn, '__name__', 'fn')} must return (logp, *grads), "

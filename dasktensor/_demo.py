@@ -24,8 +24,10 @@ class Site:
         rng = np.random.default_rng(seed)
         self.data = rng.normal(loc=1.5, scale=0.8, size=n)
         self.delay = float(delay)
+        self.calls = 0
 
     def logp_grad(self, params):
+        self.calls += 1
         time.sleep(self.delay)  # the expensive part of a real model
         mu, log_sigma = float(params[0]), float(params[1])
         r = (self.data - mu) * np.exp(-log_sigma)
@@ -38,12 +40,12 @@ def site_names(n: int) -> list[str]:
     return [f"site-{string.ascii_lowercase[i]}" for i in range(n)]
 
 
-def remote_sites(n: int, delay: float, seed: int = 0):
+def remote_sites(n: int, delay: float, seed: int = 0, scheduler=None):
     """``n`` RemoteModels, one per site, each built on the workers by ``Site(seed+i)``."""
     import dasktensor as dt
 
     return [
-        dt.RemoteModel(functools.partial(Site, seed + i, delay), name=name)
+        dt.RemoteModel(functools.partial(Site, seed + i, delay), name=name, scheduler=scheduler)
         for i, name in enumerate(site_names(n))
     ]
 
@@ -82,7 +84,7 @@ def build_model(ops):
 
 
 def serial_mode():
-    """PyTensor's default mode without the rewrite that runs independent calls at once."""
+    """PyTensor's default mode without the rewrites that run independent calls at once."""
     from pytensor.compile.mode import get_default_mode
 
-    return get_default_mode().excluding("dasktensor_parallel_calls")
+    return get_default_mode().excluding("dasktensor_parallel_calls", "dasktensor_remote_calls")

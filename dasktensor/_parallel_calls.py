@@ -5,7 +5,10 @@ after another: independent model calls would wait for each other.  The rewrite h
 PyTensor's default rewrite database under the tag ``dasktensor_parallel_calls``, merges
 independent calls of dasktensor's callable Ops into one :class:`ParallelCallsOp` node,
 which runs them concurrently on one thread pool.  It touches dasktensor's own Ops only.
-The DASK mode leaves it out: there every call is a Dask task of its own.
+The DASK mode leaves it out, there every call is a Dask task of its own; except for calls
+of remote models, which are made from the caller anyway: a second rewrite (tag
+``dasktensor_remote_calls``), which the DASK mode keeps, merges those, so that one task
+makes them all at once through the remote-call channel.
 
 Calls are grouped by *level*: a call's level is one more than the highest level among the
 calls it depends on.  Calls of one level never depend on each other, so merging them cannot
@@ -55,27 +58,43 @@ class ParallelCallsOp(Op):
     """
 
     __props__ = ("ops",)
+    # in the DASK mode (remote calls only): one task of its own, made from the caller
+    dasktensor_heavy = True
+    dasktensor_name = "remote-calls"
 
     def __init__(self, ops):
         self.ops = tuple(ops)
+        self.dasktensor_remote = all(op.dasktensor_remote for op in self.ops)
 
     def make_node(self, *inputs):
         raise NotImplementedError("ParallelCallsOp nodes are built by the rewrite only")
 
     def perform(self, node, inputs, output_storage):
+        from dasktensor._remote import call_many
+
         pool = _get_pool()
-        jobs, i, o = [], 0, 0
+        jobs, remote, i, o = [], [], 0, 0
         for op in self.ops:
             n_in, n_out = len(op.itypes), len(op.otypes)
             # the member's view of the node: its own inputs and outputs
             sub = SimpleNamespace(
                 inputs=node.inputs[i : i + n_in], outputs=node.outputs[o : o + n_out]
             )
-            jobs.append(
-                pool.submit(op.perform, sub, inputs[i : i + n_in], output_storage[o : o + n_out])
-            )
+            member = (op, sub, inputs[i : i + n_in], output_storage[o : o + n_out])
+            if op.dasktensor_remote and op.fn.model.timeout is None:
+                remote.append(member)  # sent together below, from this thread
+            else:
+                jobs.append(pool.submit(op.perform, *member[1:]))
             i, o = i + n_in, o + n_out
-        errors = [job.exception() for job in jobs]
+        errors = []
+        if remote:
+            try:
+                raw = call_many([(op.fn, args) for op, _, args, _ in remote])
+                for (op, sub, args, storage), out in zip(remote, raw):
+                    op._store(sub, op._convert(out), args, storage)
+            except Exception as e:  # raised once the other calls are done too
+                errors.append(e)
+        errors = [job.exception() for job in jobs] + errors
         for error in errors:
             if error is not None:
                 raise error
@@ -85,7 +104,14 @@ class ParallelCallsOp(Op):
 
 
 class MergeIndependentCalls(GraphRewriter):
-    """Replace independent callable-Op nodes of one level by one ParallelCallsOp node."""
+    """Replace independent callable-Op nodes of one level by one ParallelCallsOp node.
+
+    With ``remote_only``, only calls of remote models are merged.
+    """
+
+    def __init__(self, remote_only: bool = False):
+        super().__init__()
+        self.remote_only = remote_only
 
     def add_requirements(self, fgraph):
         fgraph.attach_feature(ReplaceValidate())
@@ -95,7 +121,9 @@ class MergeIndependentCalls(GraphRewriter):
         by_level: dict[int, list[Apply]] = {}
         for node in fgraph.toposort():
             above = max((level[i.owner] for i in node.inputs if i.owner in level), default=-1)
-            if isinstance(node.op, _CallableOp):
+            if isinstance(node.op, _CallableOp) and (
+                node.op.dasktensor_remote or not self.remote_only
+            ):
                 level[node] = above + 1
                 by_level.setdefault(above + 1, []).append(node)
             elif above >= 0:
@@ -119,4 +147,11 @@ optdb.register(
     "fast_run",
     "dasktensor_parallel_calls",
     position=48.5,
+)
+optdb.register(
+    "merge_independent_remote_calls",
+    MergeIndependentCalls(remote_only=True),
+    "fast_run",
+    "dasktensor_remote_calls",
+    position=48.6,
 )

@@ -72,6 +72,21 @@ def test_eight_concurrent_calls_spread_over_four_workers(four):
     model.close()
 
 
+def test_eight_concurrent_tasks_spread_over_four_workers_in_the_task_stream(four):
+    """The DASK mode's tasks (callable Ops, not remote models) spread as Dask places them."""
+    from _ops import Scale
+    from dask.utils import key_split
+    from distributed import get_task_stream
+
+    x = pt.dvector("x")
+    out = sum(Scale(float(k + 1), delay=0.3)(x).sum() for k in range(8))
+    f = dt.function([x], out, scheduler=four)
+    with get_task_stream(client=four) as ts:
+        assert float(f(np.ones(2))) == 2 * sum(range(1, 9))
+    workers = {r["worker"] for r in ts.data if key_split(r["key"]) == "scale-heavy"}
+    assert workers == set(four.scheduler_info()["workers"])
+
+
 def test_replicas_limits_the_workers_that_hold_the_model(four, tmp_path):
     log = tmp_path / "builds"
     model = dt.RemoteModel(functools.partial(Probe, str(log)), name="two", replicas=2)
@@ -97,9 +112,12 @@ def test_independent_remote_calls_run_concurrently(four, mode):
     s = pt.dscalar("s")
     outs = [where(s * (1 + 1e-6 * k))[1] for k in range(4)]  # four independent calls
     f = pytensor.function([s], pt.stack(outs), mode=mode)
-    if mode is None:  # PyTensor's own mode: the rewrite made one node of the four calls
-        (node,) = [n for n in f.maker.fgraph.toposort() if isinstance(n.op, dt.ParallelCallsOp)]
-        assert len(node.op.ops) == 4
+    # in either mode a rewrite made one node of the four calls (in the DASK mode one task,
+    # made from the caller)
+    (node,) = [n for n in f.maker.fgraph.toposort() if isinstance(n.op, dt.ParallelCallsOp)]
+    assert len(node.op.ops) == 4
+    if mode == "DASK":
+        assert [t.role for t in f.maker.linker.plan.tasks].count("remote") == 1
     intervals = f(0.4)
     assert max(intervals[:, 0]) < min(intervals[:, 1])  # all four were running at once
     model.close()
@@ -133,11 +151,13 @@ def test_strided_and_non_contiguous_inputs(four):
     model.close()
 
 
-def test_remote_exception_has_its_type_and_traceback_and_the_next_call_works(four):
+@pytest.mark.parametrize("calls", [1, 3], ids=["one-call", "merged-calls"])
+def test_remote_exception_has_its_type_and_traceback_and_the_next_call_works(four, calls):
     model = dt.RemoteModel(Probe, name="probe")
     refuse = model.logp_op("refuse", [pt.dvector])
-    f = pytensor.function([x := pt.dvector("x")], refuse(x))
-    with pytest.raises(FloatingPointError, match=r"the model refuses \[1.0, 2.0\]") as info:
+    x = pt.dvector("x")
+    f = pytensor.function([x], sum(refuse(x + k) for k in range(calls)))
+    with pytest.raises(FloatingPointError, match=r"the model refuses \[\d.0, \d.0\]") as info:
         f(np.array([1.0, 2.0]))
     text = "".join(traceback.format_tb(info.value.__traceback__))
     assert "_models.py" in text and "in refuse" in text  # the remote frame
@@ -218,7 +238,8 @@ def test_calls_from_threads_after_asyncio_run_and_inside_a_running_loop(four):
     model.close()
 
 
-def test_a_killed_worker_mid_call_is_replaced_and_the_call_returns(tmp_path):
+@pytest.mark.parametrize("calls", [1, 2], ids=["one-call", "merged-calls"])
+def test_a_killed_worker_mid_call_is_replaced_and_the_call_returns(tmp_path, calls):
     from distributed import Client
 
     pidfile = tmp_path / "pids"
@@ -230,7 +251,8 @@ def test_a_killed_worker_mid_call_is_replaced_and_the_call_returns(tmp_path):
         )
         assert len(model.start()) == 2
         op = model.arrays_to_arrays_op("work", [pt.dvector], [pt.dvector])
-        f = pytensor.function([x := pt.dvector("x")], op(x))
+        x = pt.dvector("x")
+        f = pytensor.function([x], sum(op(x * (k + 1)) for k in range(calls)))
 
         def kill_the_first_caller():
             while not pidfile.exists():
@@ -239,7 +261,8 @@ def test_a_killed_worker_mid_call_is_replaced_and_the_call_returns(tmp_path):
 
         killer = threading.Thread(target=kill_the_first_caller)
         killer.start()
-        np.testing.assert_array_equal(f(np.arange(3.0)), [0.0, 2.0, 4.0])
+        want = np.arange(3.0) * 2 * sum(range(1, calls + 1))
+        np.testing.assert_array_equal(f(np.arange(3.0)), want)
         killer.join()
         assert len(set(pidfile.read_text().split())) == 2  # it ran again elsewhere
 
