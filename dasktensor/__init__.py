@@ -31,6 +31,9 @@ from dasktensor._plan import Task as Task
 from dasktensor._plan import is_heavy as is_heavy
 from dasktensor._plan import mark_heavy as mark_heavy
 from dasktensor._plan import plan_graph as plan_graph
+from dasktensor._pmap import PMapped as PMapped
+from dasktensor._pmap import pmap as pmap
+from dasktensor._predictive import sample_posterior_predictive as sample_posterior_predictive
 from dasktensor._remote import RemoteModel as RemoteModel
 from dasktensor._remote import RemoteModelError as RemoteModelError
 
@@ -47,6 +50,7 @@ __all__ = [
     "LogpGradOp",
     "LogpOp",
     "NoWorkerWithResourcesError",
+    "PMapped",
     "ParallelCallsOp",
     "Placed",
     "Plan",
@@ -63,4 +67,6 @@ __all__ = [
     "logp_op",
     "mark_heavy",
     "plan_graph",
+    "pmap",
+    "sample_posterior_predictive",
 ]
