@@ -362,7 +362,7 @@ class PMapped:
         outputs = [outputs] if single else list(outputs)
         return inputs, [pt.as_tensor_variable(o) for o in outputs], single
 
-    def __call__(self, *args, compute: bool = False, random_seed=None):
+    def __call__(self, *args, compute: bool = False, random_seed=None, progressbar: bool = True):
         import dask.array as da
 
         args = [x if isinstance(x, da.Array) else np.asarray(x) for x in args]
@@ -407,10 +407,36 @@ class PMapped:
         seed = random_seed if random_seed is not None else self.random_seed
         outs = map_blocks(vec, args, batch, seed, name=self.name)
         if compute:
-            import dask
-
-            outs = list(dask.compute(*outs))
+            outs = compute_with_progress(outs, None, progressbar)
         return outs[0] if single else tuple(outs)
+
+
+def compute_with_progress(collections: list, client, progressbar: bool) -> list:
+    """Compute Dask collections on ``client`` (or Dask's current scheduler), with Dask's
+    progress bar: ``distributed.progress`` on a client, ``dask.diagnostics.ProgressBar``
+    on a local scheduler (shown for runs longer than a second)."""
+    import dask
+
+    if client is None:
+        from dask.base import get_scheduler
+
+        get = get_scheduler()
+        owner = getattr(get, "__self__", None)
+        if type(owner).__name__ == "Client" and hasattr(owner, "compute"):
+            client = owner
+    if client is not None:
+        futures = client.compute(list(collections))
+        if progressbar:
+            from distributed import progress
+
+            progress(futures)
+        return client.gather(futures)
+    if progressbar:
+        from dask.diagnostics import ProgressBar
+
+        with ProgressBar(minimum=1.0):
+            return list(dask.compute(*collections))
+    return list(dask.compute(*collections))
 
 
 def _split(n: int, size: int) -> tuple[int, ...]:
@@ -450,7 +476,8 @@ def pmap(
     -------
     PMapped
         ``g(*arrays)`` returns a lazy Dask array (a tuple of them for several outputs);
-        ``g(*arrays, compute=True)`` NumPy arrays.
+        ``g(*arrays, compute=True)`` NumPy arrays, computed with Dask's progress bar
+        (``progressbar=False`` turns it off).
 
     Examples
     --------

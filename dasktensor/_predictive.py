@@ -65,7 +65,12 @@ def _forward_function(model, small, var_names, predictions):
 
 
 def _groups(obj) -> dict:
-    """Name -> Dataset of the groups of an InferenceData or a DataTree."""
+    """Name -> Dataset of the groups of an InferenceData or a DataTree (a Dataset is
+    taken as the posterior)."""
+    import xarray as xr
+
+    if isinstance(obj, xr.Dataset):
+        return {"posterior": obj}
     if hasattr(obj, "children"):  # xarray.DataTree
         return {name: node.to_dataset() for name, node in obj.children.items()}
     return {name: obj[name] for name in obj.groups()}
@@ -75,6 +80,8 @@ def _first_draw(idata):
     """The trace with its posterior cut to chain 0, draw 0 (other groups unchanged)."""
     posterior = _groups(idata)["posterior"]
     small = posterior.isel(chain=[0], draw=[0])
+    if idata is posterior:
+        return small
     if hasattr(idata, "children"):
         out = idata.copy()
         out["posterior"] = small
@@ -119,8 +126,8 @@ def sample_posterior_predictive(
 
     Parameters
     ----------
-    idata : InferenceData or DataTree
-        The trace, with a ``posterior`` group.
+    idata : InferenceData, DataTree or xarray.Dataset
+        The trace, with a ``posterior`` group (or the posterior itself).
     model : pymc.Model, optional
         The model (from the context by default).
     var_names : list of str, optional
@@ -135,11 +142,13 @@ def sample_posterior_predictive(
     predictions : bool
         Put the samples in a ``predictions`` group (as PyMC does).
     client : distributed.Client, optional
-        Compute there (with ``compute=True``); by default Dask's current scheduler.
+        Compute there (with ``compute=True``); by default Dask's current scheduler (the
+        default client if there is one).
     progressbar : bool
         With ``compute=True``, show Dask's progress bar (``distributed.progress`` on a
-        client).  A lazy result shows progress when it is computed or written, e.g. on
-        the dashboard, or within ``dask.diagnostics.ProgressBar()``.
+        client, ``dask.diagnostics.ProgressBar`` for runs over a second locally).  A lazy
+        result shows progress where it is computed or written: on the dashboard, or
+        within ``dask.diagnostics.ProgressBar()``.
     compute : bool
         Compute the draws now (NumPy-backed result) instead of returning them lazily.
 
@@ -221,19 +230,10 @@ def sample_posterior_predictive(
 
 
 def _compute(dataset, client, progressbar: bool):
-    if client is not None:
-        futures = client.compute(dataset)
-        if progressbar:
-            from distributed import progress
+    from dasktensor._pmap import compute_with_progress
 
-            progress(futures)
-        return futures.result()
-    if progressbar:
-        from dask.diagnostics import ProgressBar
-
-        with ProgressBar():
-            return dataset.compute()
-    return dataset.compute()
+    (computed,) = compute_with_progress([dataset], client, progressbar)
+    return computed
 
 
 def _replace_group(result, group: str, dataset):

@@ -163,3 +163,19 @@ def test_bad_arguments_fail_clearly():
         dt.pmap(pt.exp, chunks=0)
     with pytest.raises(TypeError, match="expected a function building a PyTensor graph"):
         dt.pmap(3)
+
+
+def test_compute_shows_the_distributed_progress_bar_and_it_can_be_turned_off(
+    process_cluster, capsys
+):
+    from distributed import Client
+
+    g = dt.pmap(lambda v: pt.tanh(v).sum(), chunks=5)
+    x = RNG.normal(size=(20, 3))
+    with Client(process_cluster):  # the default client: pmap computes there
+        np.testing.assert_allclose(g(x, compute=True), np.tanh(x).sum(axis=1))
+        shown = capsys.readouterr().out
+        g(x, compute=True, progressbar=False)
+        hidden = capsys.readouterr().out
+    assert "100% Completed" in shown
+    assert "Completed" not in hidden

@@ -275,6 +275,16 @@ def _trace_of(posterior):
     return xr.DataTree.from_dict({"posterior": posterior})
 
 
+@pytest.mark.slow
+def test_a_posterior_dataset_is_accepted_as_pymc_does():
+    model, idata = trace("linear-regression")
+    posterior = group_of(idata, "posterior")
+    got = dt.sample_posterior_predictive(posterior, model=model, random_seed=1)
+    want = pymc_predictive(posterior, model)
+    assert_same_structure(group_of(got), group_of(want))
+    assert_same_distribution(group_of(got), group_of(want))
+
+
 def test_bad_chunks_fail_clearly():
     import xarray as xr
 
