@@ -1,0 +1,395 @@
+"""The dashboard reads like the model: headless Chromium renders the task stream of a job.
+
+Debian's Chromium (``apt-get install chromium``, which ``.ci/run`` does) is driven through
+its DevTools protocol over a websocket, with tornado's client (distributed depends on
+tornado), so the test needs no browser driver package.  It skips only when the chromium
+binary is absent.
+
+The screenshot is kept as a test artifact under pytest's ``tmp_path``, and copied to
+``$DASKTENSOR_SCREENSHOT_DIR/dashboard.png`` when that variable is set (how
+``docs/dashboard.png`` is made).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytensor.tensor as pt
+import pytest
+from _ops import Scale
+
+import dasktensor as dt
+
+CHROMIUM = shutil.which("chromium") or (
+    "/usr/bin/chromium" if os.access("/usr/bin/chromium", os.X_OK) else None
+)
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+WIDTH, HEIGHT = 1280, 720
+
+# The names in the task stream, read from the page's Bokeh document: the ColumnDataSource
+# of the task-stream plot (columns key, name, worker_thread, ...) as the browser holds it.
+TASK_STREAM_JS = r"""
+(() => {
+  const B = window.Bokeh;
+  if (!B || !B.documents || !B.documents.length) return null;
+  for (const doc of B.documents) {
+    for (const model of doc.all_models) {
+      const data = model.data;
+      if (data == null || typeof data !== "object") continue;
+      const col = (c) => (data instanceof Map ? data.get(c) : data[c]);
+      if (col("name") && col("key") && col("worker_thread")) {
+        return {names: Array.from(col("name")), keys: Array.from(col("key")).map(String)};
+      }
+    }
+  }
+  return null;
+})()
+"""
+
+# Where a person would point the mouse to read a scale-heavy task's name: the centre of the
+# widest scale-heavy rectangle, in page coordinates, from the rendered glyph's screen
+# coordinates (sx, sy) and the canvas' position.
+RECTANGLE_JS = r"""
+(() => {
+  for (const view of Bokeh.index.all_views()) {
+    const source = view.model.data_source;
+    if (view.glyph == null || source == null || source.data == null) continue;
+    const data = source.data;
+    const col = (c) => (data instanceof Map ? data.get(c) : data[c]);
+    const names = col("name"), durations = col("duration");
+    if (names == null || durations == null || col("worker_thread") == null) continue;
+    let best = -1;
+    for (let i = 0; i < names.length; i++) {
+      if (names[i] === "scale-heavy" && (best < 0 || durations[i] > durations[best])) best = i;
+    }
+    if (best < 0 || view.glyph.sx == null || best >= view.glyph.sx.length) return null;
+    const box = view.plot_view.canvas_view.el.getBoundingClientRect();
+    return [box.left + view.glyph.sx[best], box.top + view.glyph.sy[best]];
+  }
+  return null;
+})()
+"""
+
+# The text a person sees: every text node of the rendered DOM, shadow roots included
+# (Bokeh renders its views, the hover tooltip among them, in shadow DOM).
+VISIBLE_TEXT_JS = r"""
+(() => {
+  const texts = [];
+  const walk = (node) => {
+    if (node.nodeName === "STYLE" || node.nodeName === "SCRIPT") return;
+    if (node.nodeType === Node.TEXT_NODE) {
+      const text = node.textContent.trim();
+      if (text) texts.push(text);
+      return;
+    }
+    if (node.shadowRoot) walk(node.shadowRoot);
+    for (const child of node.childNodes) walk(child);
+  };
+  walk(document.body);
+  return texts.join(" ");
+})()
+"""
+
+NEXT_FRAME_JS = "new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)))"
+
+
+class DevTools:
+    """A minimal client of Chromium's DevTools protocol, on one browser websocket."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.n = 0
+
+    async def send(self, method: str, session: str | None = None, **params):
+        self.n += 1
+        message = {"id": self.n, "method": method, "params": params}
+        if session is not None:
+            message["sessionId"] = session
+        await self.ws.write_message(json.dumps(message))
+        while True:  # events (no domain is enabled, so few) are skipped
+            raw = await self.ws.read_message()
+            if raw is None:
+                raise ConnectionError(f"Chromium closed the DevTools connection ({method})")
+            reply = json.loads(raw)
+            if reply.get("id") == self.n:
+                break
+        if "error" in reply:
+            raise RuntimeError(f"DevTools {method}: {reply['error']}")
+        return reply["result"]
+
+    async def evaluate(self, session: str, expression: str):
+        result = await self.send(
+            "Runtime.evaluate",
+            session,
+            expression=expression,
+            returnByValue=True,
+            awaitPromise=True,
+        )
+        if "exceptionDetails" in result:
+            details = result["exceptionDetails"]
+            raise RuntimeError(f"JavaScript error: {details.get('exception', details)}")
+        return result["result"].get("value")
+
+
+@pytest.fixture
+def chromium(tmp_path):
+    """Headless Chromium with DevTools on a free loopback port: its browser websocket URL."""
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium; see .ci/run)")
+    profile = tempfile.mkdtemp(prefix="dasktensor-chromium-")
+    log_path = tmp_path / "chromium.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [
+                CHROMIUM,
+                *CHROMIUM_FLAGS,
+                "--remote-debugging-address=127.0.0.1",
+                "--remote-debugging-port=0",
+                f"--user-data-dir={profile}",
+                f"--window-size={WIDTH},{HEIGHT}",
+            ],
+            # crash reports ($XDG_CONFIG_HOME) and shared memory files ($TMPDIR, as Debian's
+            # launcher passes --disable-dev-shm-usage when /dev/shm is small) go to the profile
+            env={
+                **os.environ,
+                "XDG_CONFIG_HOME": profile,
+                "XDG_CACHE_HOME": profile,
+                "TMPDIR": profile,
+            },
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,  # its own process group: renderers are ended with it
+        )
+    try:
+        # Chromium writes the port it chose and the browser's path to DevToolsActivePort
+        port_file = os.path.join(profile, "DevToolsActivePort")
+        deadline = time.monotonic() + 30
+        lines: list[str] = []
+        while len(lines) < 2:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Chromium did not open DevTools (exit code {process.poll()}): "
+                    + log_path.read_text(errors="replace")[-2000:]
+                )
+            time.sleep(0.05)
+            if os.path.exists(port_file):
+                with open(port_file) as f:
+                    lines = f.read().split()
+        yield f"ws://127.0.0.1:{lines[0]}{lines[1]}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+        try:  # any child left in the process group that Chromium led
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def dashboard_client():
+    """An embedded cluster of 2 worker processes, with its dashboard on loopback."""
+    client = dt.connect(n_workers=2, dashboard_address="127.0.0.1:0", set_as_default=False)
+    try:
+        yield client
+    finally:
+        client.shutdown()
+        client.close()
+
+
+class Job:
+    """dasktensor work in a background thread until stopped: heavy Ops and a pmap."""
+
+    def __init__(self, client):
+        x = pt.vector("x")
+        # four heavy tasks per call (keys scale-heavy-<i>-<token>), 0.25 s each
+        self.f = dt.function(
+            [x], sum(Scale(float(k), delay=0.25)(x).sum() for k in range(1, 5)), scheduler=client
+        )
+        # four chunks per call (keys pmap-<token>, pmap-out-<token>)
+        self.g = dt.pmap(lambda v: pt.tanh(v).sum(), chunks=10)
+        self.client = client
+        self.calls = 0
+        self.error: BaseException | None = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="dashboard-job", daemon=True)
+
+    def _run(self):
+        try:
+            while not self.stopped.is_set():
+                assert float(self.f(np.ones(3))) == 30.0
+                y = self.g(np.ones((40, 3))).compute(scheduler=self.client)
+                np.testing.assert_allclose(y, np.full(40, 3 * np.tanh(1.0)))
+                self.calls += 1
+        except BaseException as e:  # re-raised by stop()
+            self.error = e
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def stop(self):
+        self.stopped.set()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the dasktensor job did not stop"
+        if self.error is not None:
+            raise self.error
+
+    def __exit__(self, *exc):
+        self.stopped.set()
+        self.thread.join(timeout=60)
+
+
+def is_pmap(name: str) -> bool:
+    """A pmap task's name: pmap, pmap-out, or fused by Dask (array-pmap-pmap-out)."""
+    return "pmap" in name.split("-")
+
+
+async def until(what: str, probe, timeout: float, interval: float = 0.2):
+    """Poll ``await probe()`` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def look_at_task_stream(browser_url: str, page_url: str, job: Job, failed_png):
+    """Load the page while the job runs; return (names, keys, tooltip text, screenshot).
+
+    On failure, what the page showed is saved to ``failed_png``.
+    """
+    from tornado.websocket import websocket_connect
+
+    ws = await websocket_connect(browser_url, max_message_size=1 << 27)
+    cdp = DevTools(ws)
+    page = None
+    try:
+        target = await cdp.send("Target.createTarget", url="about:blank")
+        attached = await cdp.send(
+            "Target.attachToTarget", targetId=target["targetId"], flatten=True
+        )
+        page = attached["sessionId"]
+        await cdp.send(
+            "Emulation.setDeviceMetricsOverride",
+            page,
+            width=WIDTH,
+            height=HEIGHT,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+        await cdp.send("Page.navigate", page, url=page_url)
+
+        def has_dasktensor_names(stream):
+            names = set(stream["names"]) if stream else set()
+            return "scale-heavy" in names and any(is_pmap(n) for n in names)
+
+        async def stream_while_running():
+            if job.error is not None:
+                raise job.error
+            stream = await cdp.evaluate(page, TASK_STREAM_JS)
+            # a few rounds of work in the picture, not only the first (compiling) one
+            return stream if has_dasktensor_names(stream) and job.calls >= 3 else None
+
+        # the Bokeh document is rendered and the job's tasks have reached the browser
+        stream = await until("dasktensor's tasks in the task stream", stream_while_running, 40)
+
+        # a still picture: stop the job, let the last tasks arrive, then hover a task
+        job.stop()
+        last = None
+
+        async def settled():
+            nonlocal last
+            n = len((await cdp.evaluate(page, TASK_STREAM_JS))["names"])
+            done, last = n == last, n
+            return done
+
+        await until("the task stream to settle", settled, 10, interval=0.5)
+        stream = await cdp.evaluate(page, TASK_STREAM_JS)
+        # no tooltip yet: the name below appears because the mouse points at a task
+        assert "scale-heavy" not in await cdp.evaluate(page, VISIBLE_TEXT_JS)
+
+        async def tooltip():
+            point = await cdp.evaluate(page, RECTANGLE_JS)
+            if not point:  # not drawn yet
+                return None
+            for x, y in [(1, 1), point]:  # leave and re-enter: the hover tool draws anew
+                await cdp.send("Input.dispatchMouseEvent", page, type="mouseMoved", x=x, y=y)
+            await asyncio.sleep(0.3)
+            text = await cdp.evaluate(page, VISIBLE_TEXT_JS)
+            return text if "scale-heavy:" in text else None
+
+        text = await until("a tooltip naming a scale-heavy task", tooltip, 10, interval=0.5)
+        await cdp.evaluate(page, NEXT_FRAME_JS)
+        shot = await cdp.send("Page.captureScreenshot", page, format="png")
+        return stream["names"], stream["keys"], text, base64.b64decode(shot["data"])
+    except BaseException:
+        if page is not None:
+            with contextlib.suppress(Exception):
+                shot = await asyncio.wait_for(
+                    cdp.send("Page.captureScreenshot", page, format="png"), 10
+                )
+                failed_png.write_bytes(base64.b64decode(shot["data"]))
+        raise
+    finally:
+        ws.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_task_stream_page_shows_dasktensor_task_names(chromium, dashboard_client, tmp_path):
+    base = dashboard_client.dashboard_link.rsplit("/", 1)[0]
+    assert base.startswith("http://127.0.0.1:")
+    with Job(dashboard_client) as job:
+        names, keys, tooltip, png = asyncio.run(
+            asyncio.wait_for(
+                look_at_task_stream(
+                    chromium, f"{base}/individual-task-stream", job, tmp_path / "failed.png"
+                ),
+                120,
+            )
+        )
+    assert job.calls >= 3
+
+    screenshot = tmp_path / "dashboard.png"
+    screenshot.write_bytes(png)
+    print(f"screenshot: {screenshot}")
+    if os.environ.get("DASKTENSOR_SCREENSHOT_DIR"):
+        os.makedirs(os.environ["DASKTENSOR_SCREENSHOT_DIR"], exist_ok=True)
+        shutil.copy(
+            screenshot, os.path.join(os.environ["DASKTENSOR_SCREENSHOT_DIR"], "dashboard.png")
+        )
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+    # the task stream's data in the browser: dasktensor's names and keys
+    assert "scale-heavy" in names
+    assert any(is_pmap(name) for name in names), set(names)
+    assert any(key.startswith("scale-heavy-") for key in keys)
+    # what a person sees when pointing at a task: its name in the rendered tooltip
+    assert "scale-heavy:" in tooltip
