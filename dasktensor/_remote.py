@@ -350,8 +350,11 @@ class RemoteModel:
 
         if not callable(factory):
             raise TypeError(f"RemoteModel expected a callable factory, got {factory!r}")
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"RemoteModel(name=...) expected a non-empty string, got {name!r}")
+        if not (isinstance(name, str) and name.replace("-", "").isalpha()):
+            raise ValueError(
+                "RemoteModel(name=...) expected letters and dashes (it prefixes Dask keys "
+                f"and names the model's Ops), got {name!r}"
+            )
         _check_annotations(resources, None, None, None)
         for option, value, low in (("replicas", replicas, 1), ("concurrency", concurrency, 1)):
             if value is not None and not (isinstance(value, int) and value >= low):
@@ -365,7 +368,7 @@ class RemoteModel:
                 f"RemoteModel(timeout=...) expected a number of seconds > 0, got {timeout!r}"
             )
         self.factory = factory
-        self.name = _label(name)
+        self.name = name
         self.resources = dict(resources or {})
         self.replicas = replicas
         self.concurrency = concurrency

@@ -211,6 +211,8 @@ def test_without_a_cluster_the_error_says_how_to_get_one():
 def test_bad_options_fail_naming_what_was_expected():
     with pytest.raises(TypeError, match="expected a callable factory, got 3"):
         dt.RemoteModel(3)
+    with pytest.raises(ValueError, match=r"name=...\) expected letters and dashes .* 'site-0'"):
+        dt.RemoteModel(Probe, name="site-0")
     with pytest.raises(ValueError, match=r"replicas=...\) expected an int >= 1, got 0"):
         dt.RemoteModel(Probe, replicas=0)
     with pytest.raises(ValueError, match=r"timeout=...\) expected a number of seconds > 0"):
