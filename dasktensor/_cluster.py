@@ -11,6 +11,55 @@ def _configured_address() -> str | None:
     return _config.get("scheduler-address") or dask.config.get("scheduler-address", None)
 
 
+class _NoHandshake(TimeoutError):
+    """Something accepted the connection but did not answer as a Dask scheduler."""
+
+
+def _handshake(address: str, security, timeout_s: float) -> None:
+    """Connect to ``address`` and complete Dask's handshake within the timeout, or raise.
+
+    ``distributed.Client`` waits for the scheduler's handshake without a timeout once a
+    connection is made, so an endpoint that accepts connections but never answers (a
+    ``tls://`` scheduler reached with ``tcp://``, the dashboard's port) would hang it; and
+    a Client that fails to start stays half-started, its finaliser later blocking other
+    Clients (distributed's LoopRunner lock).  One throw-away connection, in a thread of
+    its own (this thread may run an event loop), checks first.
+
+    Raises
+    ------
+    OSError
+        Could not connect within ``timeout_s`` (refused, unknown host, certificates).
+    _NoHandshake
+        Connected, but no Dask handshake within about a second more.
+    TypeError
+        ``tls://`` without TLS settings (distributed's error).
+    """
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distributed.comm import connect as comm_connect
+    from distributed.security import Security
+
+    if security is None and dask.config.get("distributed.client.security-loader", None):
+        return  # the Client asks the configured loader for its certificates
+    if str(address).startswith("inproc://"):
+        return  # a scheduler in this process: nothing to wait for
+    args = (security or Security()).get_connection_args("client")
+
+    async def handshake():
+        # connect() bounds the connection attempts by timeout_s, not the handshake
+        try:
+            comm = await asyncio.wait_for(
+                comm_connect(address, timeout=timeout_s, **args), timeout_s + 1
+            )
+        except asyncio.TimeoutError as e:
+            raise _NoHandshake(f"no Dask handshake from {address}") from e
+        await comm.close()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="dasktensor-connect") as pool:
+        pool.submit(asyncio.run, handshake()).result()
+
+
 def connect(
     address: str | None = None,
     *,
@@ -67,7 +116,8 @@ def connect(
     Raises
     ------
     ConnectionError
-        The scheduler at ``address`` did not answer within ``timeout``.
+        The scheduler at ``address`` did not answer within ``timeout``, refused the
+        certificates, or a ``tls://`` address came without certificates to connect with.
 
     Examples
     --------
@@ -90,16 +140,41 @@ def connect(
                 "workers of an existing cluster are configured where they are started "
                 "(`dask worker ADDRESS --resources 'GPU=1'`)"
             )
+        tls = str(address).startswith("tls://")
         try:
+            _handshake(address, security, timeout_s)
             return Client(
                 address, security=security, timeout=timeout_s, set_as_default=set_as_default
             )
+        except TypeError as e:
+            if not tls:
+                raise
+            # distributed fails with a TypeError, before connecting, when it has no TLS
+            # context for a tls:// address (no security=, nor certificates in its config)
+            raise ConnectionError(
+                f"Could not connect to the TLS scheduler at {address!r}: no certificates "
+                f"to connect with ({e}). Give the cluster's certificates as "
+                "dt.connect(address, security=Security(tls_ca_file=..., "
+                "tls_client_cert=..., tls_client_key=...)) or in Dask's config "
+                "(distributed.comm.tls.ca-file, distributed.comm.tls.client.cert, "
+                "distributed.comm.tls.client.key)."
+            ) from e
         except (OSError, TimeoutError) as e:
+            if isinstance(e, _NoHandshake):
+                cause = (
+                    "something accepted the connection but did not answer as a Dask "
+                    "scheduler: a tls:// scheduler reached with tcp://, the dashboard's "
+                    "port instead of the scheduler's (8786 by default)?"
+                )
+            else:
+                cause = f"{type(e).__name__}: {e}"
             raise ConnectionError(
                 f"Could not reach a Dask scheduler at {address!r} within {timeout_s:g} s "
-                f"({type(e).__name__}: {e}). Start one with `dask scheduler` and workers "
-                f"with `dask worker {address}`, check the address and firewall, or call "
-                "dt.connect() without an address for an embedded cluster on this machine."
+                f"({cause}). Start one with `dask scheduler` and workers "
+                f"with `dask worker {address}`, check the address and firewall"
+                + (", and that security= holds certificates the cluster trusts" if tls else "")
+                + ", or call dt.connect() without an address for an embedded cluster on this "
+                "machine."
             ) from e
 
     cfg = _config.get("cluster")

@@ -72,3 +72,124 @@ def test_unreachable_scheduler_fails_within_the_timeout_with_advice():
 def test_options_for_an_embedded_cluster_are_refused_with_an_address():
     with pytest.raises(TypeError, match="dask worker ADDRESS --resources"):
         dt.connect("tcp://127.0.0.1:9", resources={"GPU": 1})
+
+
+# ------------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def tls_cluster():
+    """A LocalCluster speaking tls:// on 127.0.0.1, one worker process, throw-away certificates."""
+    from distributed import LocalCluster
+    from distributed.security import Security
+
+    security = Security.temporary()  # needs `cryptography`
+    cluster = LocalCluster(
+        n_workers=1,
+        threads_per_worker=1,
+        processes=True,
+        protocol="tls://",
+        host="127.0.0.1",
+        security=security,
+        dashboard_address=None,
+        scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
+    )
+    yield cluster, security
+    cluster.close()
+
+
+def scale_twice_sum(client) -> float:
+    """A dasktensor function with a heavy op, run on ``client``'s cluster."""
+    x = pt.vector("x")
+    f = dt.function([x], Scale(2.0)(x).sum(), scheduler=client)
+    result = float(f(np.ones(3)))
+    prefixes = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.task_prefixes))
+    assert "scale-heavy" in prefixes  # the heavy op ran on the cluster, not here
+    return result
+
+
+def test_tls_cluster_runs_functions_for_a_client_with_its_certificates(tls_cluster):
+    cluster, security = tls_cluster
+    address = cluster.scheduler_address
+    assert address.startswith("tls://127.0.0.1:")
+    with dt.connect(address, security=security, set_as_default=False) as c:
+        workers = c.scheduler_info(n_workers=-1)["workers"]
+        assert workers and all(a.startswith("tls://127.0.0.1:") for a in workers)
+        assert scale_twice_sum(c) == 6.0
+
+
+@pytest.mark.timeout(60)  # a hang instead of the error fails here
+@pytest.mark.parametrize(
+    "credentials, message",
+    [
+        ("none", "no certificates to connect with"),  # distributed: a TypeError, wrapped
+        ("other", "TLS certificate does not match"),  # certificates of another cluster
+        # tcp:// to the tls:// port: the TLS listener drops the connection
+        ("plain tcp", "Connection reset by peer|Stream is closed|did not answer as a Dask"),
+    ],
+)
+def test_tls_cluster_refuses_a_client_without_its_certificates(tls_cluster, credentials, message):
+    import time
+
+    from distributed.security import Security
+
+    cluster, _ = tls_cluster
+    address = cluster.scheduler_address
+    security = Security.temporary() if credentials == "other" else None
+    if credentials == "plain tcp":
+        address = address.replace("tls://", "tcp://")
+    t0 = time.perf_counter()
+    with pytest.raises(ConnectionError, match=message) as info:
+        dt.connect(address, security=security, timeout=2, set_as_default=False)
+    assert time.perf_counter() - t0 < 5
+    assert repr(address) in str(info.value)
+    if credentials != "plain tcp":  # the advice names what to give
+        assert "certificates" in str(info.value).split(message)[-1]
+
+
+def test_info_reaches_a_tls_cluster_with_certificate_files(tls_cluster, tmp_path, capsys):
+    from dasktensor.cli import main
+
+    cluster, security = tls_cluster
+    address = cluster.scheduler_address
+    files = {}
+    for option, pem in [
+        ("--tls-ca-file", security.tls_ca_file),  # Security.temporary() holds PEM text
+        ("--tls-cert", security.tls_client_cert),
+        ("--tls-key", security.tls_client_key),
+    ]:
+        path = tmp_path / (option.strip("-") + ".pem")
+        path.write_text(pem)
+        files[option] = str(path)
+    assert main(["info", "--scheduler", address, *[a for kv in files.items() for a in kv]]) == 0
+    out = capsys.readouterr().out
+    assert f"Scheduler:  {address}\n" in out and "Workers:    1 (1 thread(s)" in out
+    assert "Versions match" in out
+
+    assert main(["info", "--scheduler", address, "--timeout", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"dasktensor info: Could not connect to the TLS scheduler at {address!r}"
+    )
+
+
+def test_embedded_tls_cluster_on_loopback_runs_functions_and_refuses_plain_clients():
+    import os
+
+    from distributed.security import Security
+
+    client = dt.connect(
+        security=Security.temporary(), n_workers=1, dashboard_address=False, set_as_default=False
+    )
+    try:
+        address = client.scheduler.address
+        assert address.startswith("tls://127.0.0.1:")
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        assert workers and all(a.startswith("tls://127.0.0.1:") for a in workers)
+        assert listening_addresses(os.getpid()) <= {"127.0.0.1"}
+        assert scale_twice_sum(client) == 6.0
+        with pytest.raises(ConnectionError, match="no certificates to connect with"):
+            dt.connect(address, timeout=2, set_as_default=False)
+    finally:
+        client.shutdown()
+        client.close()
