@@ -177,20 +177,25 @@ def connect(
                 "machine."
             ) from e
 
-    cfg = _config.get("cluster")
     kwargs = {
-        "n_workers": n_workers if n_workers is not None else cfg["n-workers"],
+        "n_workers": n_workers if n_workers is not None else _config.get("cluster.n-workers"),
         "threads_per_worker": (
-            threads_per_worker if threads_per_worker is not None else cfg["threads-per-worker"]
+            threads_per_worker
+            if threads_per_worker is not None
+            else _config.get("cluster.threads-per-worker")
         ),
-        "processes": processes if processes is not None else cfg["processes"],
+        "processes": processes if processes is not None else _config.get("cluster.processes"),
         "host": host,
         "scheduler_port": scheduler_port,
         # workers import dasktensor (and PyTensor, ~1 s) as they start, not on first use
         "preload": ["dasktensor"],
         **cluster_kwargs,
     }
-    dashboard = dashboard_address if dashboard_address is not None else cfg["dashboard-address"]
+    dashboard = (
+        dashboard_address
+        if dashboard_address is not None
+        else _config.get("cluster.dashboard-address")
+    )
     if dashboard:
         kwargs["dashboard_address"] = dashboard
     else:

@@ -187,7 +187,8 @@ def _build_count(key: str, dask_worker=None) -> int:
 
 
 class _Channel:
-    """This process's route to the workers: an event loop thread and a ConnectionPool."""
+    """This process's route to the workers: an event loop thread and connection pools
+    (one per set of TLS credentials; plain TCP clusters share one)."""
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
@@ -195,25 +196,55 @@ class _Channel:
             target=self.loop.run_forever, name="dasktensor-channel", daemon=True
         )
         self.thread.start()
-        self.pool = self.run(self._make_pool()).result()
+        self.pools: dict = {}
+        self.lock = threading.Lock()
+
+    def pool(self, security) -> object:
+        """The pool for a cluster with this ``distributed.Security`` (None: plain TCP)."""
+        key = _security_key(security)
+        with self.lock:
+            pool = self.pools.get(key)
+            if pool is None:
+                args = security.get_connection_args("client") if security is not None else {}
+                pool = self.pools[key] = self.run(self._make_pool(args)).result()
+            return pool
 
     @staticmethod
-    async def _make_pool():
+    async def _make_pool(connection_args: dict):
         from distributed.core import ConnectionPool
 
-        return await ConnectionPool(limit=512, timeout=_config.seconds("remote.connect-timeout"))
+        return await ConnectionPool(
+            limit=512,
+            timeout=_config.seconds("remote.connect-timeout"),
+            connection_args=connection_args,
+        )
 
     def run(self, coro) -> concurrent.futures.Future:
         if threading.current_thread() is self.thread:  # pragma: no cover - a misuse guard
             raise RuntimeError("a remote model was called from dasktensor's own channel thread")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    async def call(self, address: str, key: str, method: str | None, args: list) -> dict:
-        return await self.pool(address).dasktensor_call(key=key, method=method, args=args)
+    @staticmethod
+    async def call(pool, address: str, key: str, method: str | None, args: list) -> dict:
+        return await pool(address).dasktensor_call(key=key, method=method, args=args)
 
     def forget(self, address: str) -> None:
         """Drop pooled connections to a worker that failed."""
-        self.loop.call_soon_threadsafe(self.pool.remove, address)
+        for pool in list(self.pools.values()):
+            self.loop.call_soon_threadsafe(pool.remove, address)
+
+
+def _security_key(security):
+    """What identifies a cluster's client credentials (None for plain TCP)."""
+    if (
+        security is None
+        or not getattr(security, "require_encryption", False)
+        and not any(getattr(security, f, None) for f in ("tls_ca_file", "tls_client_cert"))
+    ):
+        return None
+    names = getattr(type(security), "__slots__", None) or vars(security)
+    fields = ((k, getattr(security, k, None)) for k in names)
+    return tuple(sorted((k, v) for k, v in fields if isinstance(v, str | bool)))
 
 
 _channel: _Channel | None = None
@@ -235,6 +266,7 @@ class _Replicas:
         self.lock = threading.Lock()
         self.addresses: list[str] = []  # sorted: the same order in every process
         self.number = 0  # the model's number on the cluster (see _number)
+        self.pool = None  # the channel's connection pool for this cluster
         self.checked = 0.0  # time.monotonic() of the last look at the cluster
         self.refreshing = False
 
@@ -444,7 +476,8 @@ class RemoteModel:
         lost = 0
         while True:
             address = self._pick(state)
-            future = channel.run(channel.call(address, self.key, method, _pack(list(args))))
+            packed = _pack(list(args))
+            future = channel.run(channel.call(state.pool, address, self.key, method, packed))
             # the worker counts as busy until the call really ends, also after a timeout
             future.add_done_callback(functools.partial(_done, address))
             try:
@@ -554,6 +587,7 @@ class RemoteModel:
         client = self._client()
         state.addresses = self._find_or_build(client)
         state.checked = time.monotonic()
+        state.pool = _get_channel().pool(getattr(client, "security", None))
         if _process_number is None:
             _process_number = _number(client, "process", None)
         state.number = _number(client, "model", self.key)
@@ -686,7 +720,10 @@ def call_many(calls: Sequence[tuple[_RemoteMethod, tuple]]) -> list:
 
     async def all_at_once():
         return await asyncio.gather(
-            *(channel.call(a, m.key, meth, _pack(list(args))) for m, _, a, meth, args in picked),
+            *(
+                channel.call(state.pool, a, m.key, meth, _pack(list(args)))
+                for m, state, a, meth, args in picked
+            ),
             return_exceptions=True,
         )
 

@@ -62,6 +62,20 @@ def test_connect_to_a_running_cluster_by_address_and_by_config(process_cluster):
             assert c.scheduler.address == address
 
 
+def test_remote_models_on_a_tls_cluster(tls_cluster):
+    """Calls to a RemoteModel go over TLS with the client's certificates."""
+    from _models import Probe
+
+    cluster, security = tls_cluster
+    with dt.connect(cluster.scheduler_address, security=security, set_as_default=False) as c:
+        model = dt.RemoteModel(Probe, name="probe", scheduler=c)
+        pid, _ = model.call("where")
+        assert pid in c.run(__import__("os").getpid).values()
+        lp, gx, gmu = model.call("logp_grad", np.ones(2), 0.5)
+        assert lp == -0.25 and np.allclose(gx, -0.5)
+        model.close()
+
+
 @pytest.mark.timeout(60)  # a hang instead of the error fails here
 def test_unreachable_scheduler_fails_within_the_timeout_with_advice():
     with pytest.raises(ConnectionError, match="dask scheduler") as info:
@@ -193,3 +207,13 @@ def test_embedded_tls_cluster_on_loopback_runs_functions_and_refuses_plain_clien
     finally:
         client.shutdown()
         client.close()
+
+
+def test_embedded_cluster_settings_accept_underscores_as_environment_variables_give_them():
+    """DASK_DASKTENSOR__CLUSTER__N_WORKERS=1 arrives as the key 'n_workers'."""
+    import dask
+
+    with dask.config.set({"dasktensor.cluster.n_workers": 1}):
+        with dt.connect(dashboard_address=False, set_as_default=False) as c:
+            assert len(c.scheduler_info(n_workers=-1)["workers"]) == 1
+            c.shutdown()
