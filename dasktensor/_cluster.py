@@ -224,3 +224,8 @@ def connect(
         cluster = LocalCluster(security=security, protocol="tls://", **kwargs)
         # client.shutdown() stops this cluster with the client
         return Client(cluster, security=security, timeout=timeout_s, set_as_default=set_as_default)
+
+
+def _default(value, key: str):
+    """``value``, or the ``dasktensor.<key>`` setting when it is None."""
+    return value if value is not None else _config.get(key)
