@@ -25,6 +25,9 @@ BENCHMARKS = {
     "p1": "bench_p1_latency",
     "p2": "bench_p2_remote_calls",
     "p5": "bench_p5_sampling",
+    "p6": "bench_p6_predictive",
+    "p7": "bench_p7_zarr_memory",
+    "p8": "bench_p8_pmap",
 }
 
 

@@ -1,0 +1,167 @@
+"""P8: ``dt.pmap`` of a CPU-bound graph on 2 worker processes vs one thread in one process.
+
+The element graph: from a vector ``v`` (100,) and a shared matrix ``w`` (100, 100), a
+100 x 100 matrix ``m = tanh(outer(v, v) / 100 + w)`` goes through ``STEPS`` rounds of
+``m = tanh(m @ w)``; the element's result is ``m.sum(axis=0)``.  ``dt.pmap(fn, in_axes=(0,
+None), chunks=...)`` maps it over ``N`` vectors: the inputs and outputs are small (800 bytes
+per element each way) and the work is matrix products and tanh, so the run is CPU-bound.
+``w`` is unbatched: one Dask key, sent to each worker once.
+
+Timed warm (graph compiled on the workers and here first), in interleaved rounds
+(``compare``), a new pmap call (new keys) each sample:
+
+* the pmap computed on a ``LocalCluster`` of 2 worker processes, 1 thread each,
+  single-threaded BLAS (``dask.compute(..., scheduler=client)``);
+* the same pmap computed in this process with ``scheduler="sync"`` (one thread, BLAS
+  limited to one thread): the baseline;
+* as information, the threaded scheduler in this process (2 threads).
+
+Target: sync / cluster >= 1.8.  ``N`` / chunks give ``CHUNKS`` equal chunks (4 per worker,
+so the two workers stay busy to the end).  Also printed: the chunks ``chunks="auto"``
+would choose here (auto-chunking sizes chunks by bytes of data, not by compute), and, to
+read the speed-up against, how many cores two worker processes get at the moment (a
+pure-Python loop on one worker, then on both at once, before and after the timing: 2.0
+when both cores are free).
+
+Run: ``python benchmarks/bench_p8_pmap.py [--n N] [--steps N] [--chunks N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (
+    Row,
+    compare,
+    fmt_time,
+    limit_blas,
+    load_row,
+    local_cluster,
+    print_rows,
+    print_table,
+    quiet,
+    versions_line,
+)
+
+NAME = "p8-pmap"
+WORKERS = 2
+SIZE = 100
+N = 1600
+STEPS = 20
+CHUNKS = 8
+
+
+def element(steps: int):
+    """The graph of one element: ``fn(v, w)`` for ``dt.pmap``."""
+
+    def fn(v, w):
+        import pytensor.tensor as pt
+
+        m = pt.tanh(pt.outer(v, v) / SIZE + w)
+        for _ in range(steps):
+            m = pt.tanh(m @ w)
+        return m.sum(axis=0)
+
+    return fn
+
+
+def spin(n: int = 3_000_000) -> float:
+    """A pure-Python loop; its duration in seconds (to gauge free cores)."""
+    import time
+
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(n):
+        total += i
+    return time.perf_counter() - t0
+
+
+def capacity(client, rounds: int = 3) -> float:
+    """How many cores two worker processes get right now: 2 x (time of the loop on one
+    worker) / (its time when both workers run it at once); 2.0 on two free cores."""
+    import statistics
+
+    one, two = [], []
+    workers = list(client.scheduler_info()["workers"])
+    for _ in range(rounds):
+        one.append(statistics.median(client.run(spin, workers=workers[:1]).values()))
+        two.append(statistics.median(client.run(spin).values()))
+    return 2 * statistics.median(one) / statistics.median(two)
+
+
+def main(
+    n: int = N, steps: int = STEPS, chunks: int = CHUNKS, repeat: int = 7, warmup: int = 1
+) -> list[Row]:
+    quiet()
+    import dask
+    import numpy as np
+
+    import dasktensor as dt
+
+    print(f"[{NAME}] {versions_line()}")
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=(n, SIZE))
+    w = rng.normal(size=(SIZE, SIZE)) / np.sqrt(SIZE)
+    per_chunk = -(-n // chunks)
+    g = dt.pmap(element(steps), in_axes=(0, None), chunks=per_chunk, name="p8")
+    auto = dt.pmap(element(steps), in_axes=(0, None))(v, w)
+    print(
+        f"[{NAME}] {n} elements x {steps} steps of {SIZE}x{SIZE} tanh(m @ w), chunks "
+        f"{g(v, w).chunks[0]}; chunks='auto' would give {auto.chunks[0]}"
+    )
+
+    with local_cluster(n_workers=WORKERS, threads_per_worker=1) as client, limit_blas(1):
+
+        def cluster():
+            return dask.compute(g(v, w), scheduler=client)[0]
+
+        def sync():
+            return g(v, w).compute(scheduler="sync")
+
+        def threads():
+            return g(v, w).compute(scheduler="threads", num_workers=WORKERS)
+
+        cap_before = capacity(client)
+        want = sync()
+        np.testing.assert_allclose(cluster(), want, rtol=1e-10)  # compiles on the workers
+        np.testing.assert_allclose(threads(), want, rtol=1e-10)
+        times = compare(
+            {
+                f"cluster: {WORKERS} worker processes x 1 thread": cluster,
+                "sync: 1 thread in this process": sync,
+                f"threads: {WORKERS} threads in this process": threads,
+            },
+            repeat=repeat,
+            warmup=warmup,
+        )
+        cap = (cap_before + capacity(client)) / 2
+    t_cluster, t_sync, t_threads = times.values()
+    print_table(
+        ["variant", "median", "speed-up (sync / variant)"],
+        [(k, fmt_time(t), f"{t_sync / t:.3f}") for k, t in times.items()],
+        title=f"[{NAME}] median of {repeat} interleaved rounds",
+    )
+    rows = [
+        Row(NAME, f"speed-up {WORKERS} workers vs sync", t_sync / t_cluster, 1.8, True),
+        Row(NAME, f"speed-up {WORKERS} threads vs sync", t_sync / t_threads),
+        Row(NAME, "sync (1 thread)", t_sync, unit="s"),
+        Row(NAME, f"cluster ({WORKERS} workers)", t_cluster, unit="s"),
+        Row(NAME, "cores 2 processes get now (pure-Python loop)", round(cap, 2)),
+        load_row(NAME),
+    ]
+    print_rows(rows, title=f"[{NAME}] summary")
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=N, help="elements")
+    parser.add_argument("--steps", type=int, default=STEPS, help="matrix products per element")
+    parser.add_argument("--chunks", type=int, default=CHUNKS, help="number of chunks")
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args()
+    main(n=args.n, steps=args.steps, chunks=args.chunks, repeat=args.repeat)
