@@ -75,7 +75,7 @@ def _random_generators(outputs) -> list:
     ]
 
 
-def _freeze_sizes(outputs: list, batched_inputs: list, values: dict) -> list:
+def _freeze_sizes(outputs: list, batched_inputs: list, values: dict) -> tuple[list, list]:
     """Random variables' ``size`` arguments evaluated to constants where they do not depend
     on the batched inputs (a size read from a data variable's shape, as PyMC builds them).
 
@@ -84,33 +84,56 @@ def _freeze_sizes(outputs: list, batched_inputs: list, values: dict) -> list:
     rebuilt on the way (``MakeVector`` becomes ``ExpandDims``) and no longer compares
     equal, which leaves the size short of the batch dimensions.  ``values`` are the
     values of the unbatched root inputs a size may read.
+
+    Returns the new outputs and, per frozen size, ``(function, inputs, value)``: the
+    function of those inputs gives the size again, to check that a later call's values
+    (new data in a shared variable) still give the sizes frozen here.
     """
     from pytensor.graph.basic import Constant
     from pytensor.graph.replace import clone_replace
-    from pytensor.graph.traversal import ancestors, applys_between
+    from pytensor.graph.traversal import ancestors, applys_between, graph_inputs
     from pytensor.tensor.random.op import RandomVariable
     from pytensor.tensor.type_other import NoneTypeT
 
     batched = set(batched_inputs)
-    frozen = {}
+    frozen, checks = {}, []
     for node in applys_between(batched_inputs, outputs):
         if not isinstance(node.op, RandomVariable):
             continue
         size = node.op.size_param(node)
         if isinstance(size, Constant) or isinstance(size.type, NoneTypeT) or size in frozen:
             continue
-        above = set(ancestors([size]))
-        if not batched.intersection(above):
-            frozen[size] = _constant(size, {v: x for v, x in values.items() if v in above})
-    return clone_replace(outputs, replace=frozen) if frozen else outputs
+        if batched.intersection(ancestors([size])):
+            continue
+        roots = [v for v in graph_inputs([size]) if not isinstance(v, Constant)]
+        if not all(v in values for v in roots):  # reads an input given only at run time
+            continue
+        fn = _py_function(roots, size)
+        value = np.asarray(fn(*[values[v] for v in roots]), dtype=size.dtype)
+        frozen[size] = _pt().constant(value, dtype=size.dtype)
+        checks.append((fn, roots, value))
+    return (clone_replace(outputs, replace=frozen) if frozen else outputs), checks
 
 
-def _constant(var, values: dict):
-    import pytensor
+def _pt():
     import pytensor.tensor as pt
 
-    value = pytensor.function(list(values), var, on_unused_input="ignore")(*values.values())
-    return pt.constant(np.asarray(value, dtype=var.dtype), dtype=var.dtype)
+    return pt
+
+
+def _py_function(inputs, outputs):
+    """A PyTensor function run by Python thunks after light rewrites: for small helper
+    graphs (sizes, shapes), which a backend would spend far longer compiling than running."""
+    import pytensor
+    from pytensor.compile.mode import Mode
+
+    return pytensor.function(
+        list(inputs),
+        outputs,
+        on_unused_input="ignore",
+        accept_inplace=True,
+        mode=Mode(linker="py", optimizer="fast_compile"),
+    )
 
 
 class Vectorized:
@@ -146,15 +169,18 @@ class Vectorized:
         for root, v in zip(roots, inputs):
             root.name = v.name
         outputs = clone_replace(list(outputs), replace=dict(zip(inputs, roots)))
-        # data in shared variables (pm.Data...) is taken as it is now, and becomes an
-        # unbatched input: a lazy result does not change when the variable does later;
-        # so do large constants (data given to PyMC as arrays): kept out of the compiled
-        # graph, they travel once per worker as a Dask key, not inside every runner
+        # data in shared variables (pm.Data...) becomes an unbatched input whose value
+        # is read at each call (``fixed_values``): a lazy result does not change when the
+        # variable does later; so do large constants (data given to PyMC as arrays): kept
+        # out of the compiled graph, they travel once per worker as a Dask key, not
+        # inside every runner
         shared = _shared_data(outputs)
         large = _large_constants(outputs)
         fixed = [v.type() for v in shared + large]
         outputs = clone_replace(outputs, replace=dict(zip(shared + large, fixed)))
-        self.fixed_values = [v.get_value(borrow=False) for v in shared] + [c.data for c in large]
+        self._shared = shared
+        self._constants = [c.data for c in large]
+        fixed_values = self._fixed_values()
         inputs = roots + fixed
         self.batched = self.batched + (False,) * len(fixed)
         batched = self.batched
@@ -168,7 +194,12 @@ class Vectorized:
                 new_inputs.append(bv)
             else:
                 new_inputs.append(v)
-        outputs = _freeze_sizes(list(outputs), list(replace), dict(zip(fixed, self.fixed_values)))
+        outputs, checks = _freeze_sizes(
+            list(outputs), list(replace), dict(zip(fixed, fixed_values))
+        )
+        self._size_checks = [
+            (fn, [fixed.index(v) for v in roots], value) for fn, roots, value in checks
+        ]
         outs = vectorize_graph(outputs, replace=replace) if replace else list(outputs)
         # every output carries the batch axes, also those that do not depend on the batch
         ref = next(iter(replace.values()), None)
@@ -186,6 +217,20 @@ class Vectorized:
             outs = clone_replace(outs, replace=dict(zip(self.rngs, rng_inputs)))
         self.out_types = [o.type for o in outs]
         self.runner = TaskRunner([*new_inputs, *rng_inputs], outs, backend="inner", name=name)
+        self._out_cores: dict[tuple, list[tuple]] = {}
+
+    def _fixed_values(self) -> list:
+        return [v.get_value(borrow=False) for v in self._shared] + self._constants
+
+    def fixed_values(self) -> list | None:
+        """The values of the fixed inputs (shared data, large constants) for a call now,
+        or None when the data in a shared variable changed such that a random variable's
+        size frozen at construction no longer holds (the graph must be built again)."""
+        values = self._fixed_values()
+        for fn, positions, frozen in self._size_checks:
+            if not np.array_equal(fn(*[values[i] for i in positions]), frozen):
+                return None
+        return values
 
 
 def _run_chunk(runner, seed: np.random.SeedSequence | None, n_rngs: int, *values):
@@ -217,11 +262,20 @@ def auto_chunk(n: int, bytes_per_element: float) -> int:
 
 def _output_core_shapes(vec: Vectorized, core_shapes_in: list[tuple]) -> list[tuple]:
     """Shapes of one element's outputs (after the batch axes), from static types or by
-    evaluating the graph's shape on zero-strided dummies of one element."""
+    evaluating the graph's shape on zero-strided dummies of one element (once per
+    vectorised graph and input shapes)."""
     static = [t.shape[vec.n_batch :] for t in vec.out_types]
     if all(d is not None for s in static for d in s):
         return [tuple(int(d) for d in s) for s in static]
+    key = tuple(core_shapes_in)
+    if key not in vec._out_cores:
+        vec._out_cores[key] = _evaluate_core_shapes(vec, core_shapes_in)
+    return vec._out_cores[key]
+
+
+def _evaluate_core_shapes(vec: Vectorized, core_shapes_in: list[tuple]) -> list[tuple]:
     import pytensor
+    from pytensor.compile.mode import Mode
 
     fresh, outs = vec.runner._graph
     dummies = []
@@ -229,8 +283,6 @@ def _output_core_shapes(vec: Vectorized, core_shapes_in: list[tuple]) -> list[tu
         full = (1,) * vec.n_batch + tuple(shape) if b else tuple(shape)
         dummies.append(np.broadcast_to(np.zeros((), dtype=v.type.dtype), full))
     rng_vars = fresh[len(vec.batched) :]
-    from pytensor.compile.mode import Mode
-
     # the rewrites reduce the graph to shape arithmetic; Python thunks run that at once
     # (a backend would compile the whole graph, large constants included)
     shape_fn = pytensor.function(
@@ -250,18 +302,27 @@ def map_blocks(
     batch_chunks: tuple[tuple[int, ...], ...],
     random_seed=None,
     name: str | None = None,
+    fixed: Sequence | None = None,
 ):
     """Dask arrays of the vectorised graph's outputs, one task per block of the batch.
 
     ``args`` are numpy or Dask arrays, batched ones with ``vec.n_batch`` leading batch
-    axes; ``batch_chunks`` the chunks of those axes.
+    axes; ``batch_chunks`` the chunks of those axes; ``fixed`` the values of the fixed
+    inputs (``vec.fixed_values()`` by default).
     """
     import dask.array as da
     from dask.highlevelgraph import HighLevelGraph
     from dask.task_spec import Task, TaskRef
 
     nb = vec.n_batch
-    args = [*args, *vec.fixed_values]
+    if fixed is None:
+        fixed = vec.fixed_values()
+        if fixed is None:
+            raise ValueError(
+                f"{vec.name}: the data in a shared variable changed the size of a random "
+                "variable since the graph was vectorised; vectorise it again"
+            )
+    args = [*args, *fixed]
     arrays = []
     core_shapes = []
     for x, b in zip(args, vec.batched):
@@ -381,11 +442,13 @@ class PMapped:
         signature = tuple(
             (str(x.dtype), tuple(x.shape[1:] if b else x.shape), b) for x, b in zip(args, batched)
         )
-        if signature not in self._cache:
+        vec, single = self._cache.get(signature, (None, None))
+        fixed = vec.fixed_values() if vec is not None else None
+        if fixed is None:  # first call with this signature, or shared data changed sizes
             inputs, outputs, single = self._graph(args, batched)
             vec = Vectorized(inputs, outputs, batched, 1, name=self.name or "pmap")
             self._cache[signature] = (vec, single)
-        vec, single = self._cache[signature]
+            fixed = vec.fixed_values()
         chunks = self.chunks
         if chunks == "auto":
             dask_chunks = [
@@ -405,7 +468,7 @@ class PMapped:
         else:
             batch = (_split(n, chunks),)
         seed = random_seed if random_seed is not None else self.random_seed
-        outs = map_blocks(vec, args, batch, seed, name=self.name)
+        outs = map_blocks(vec, args, batch, seed, name=self.name, fixed=fixed)
         if compute:
             outs = compute_with_progress(outs, None, progressbar)
         return outs[0] if single else tuple(outs)

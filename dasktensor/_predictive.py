@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Sequence
 
 _capture_lock = threading.Lock()
@@ -52,7 +53,7 @@ def _forward_function(model, small, var_names, predictions):
                 random_seed=0,
                 # one draw, for the structure of the result: Python thunks, no backend
                 # compilation of the forward graph (the chunks compile it once per process)
-                compile_kwargs={"mode": Mode(linker="py", optimizer="fast_compile")},
+                compile_kwargs={"mode": Mode(linker="py", optimizer=None)},
             )
         finally:
             forward.compile_forward_sampling_function = original
@@ -62,6 +63,41 @@ def _forward_function(model, small, var_names, predictions):
             f"({len(captured)} were compiled); please report this with your PyMC version"
         )
     return result, captured[0]
+
+
+# vectorised forward graphs of recent calls, per model: a later call whose forward graph
+# is the same computation (PyMC builds it anew each time) reuses the vectorised graph and
+# its compiled runner, here and on the workers
+_vectorized_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHE_PER_MODEL = 8
+_cache_lock = threading.Lock()
+
+
+def _vectorized(model, inputs: list, outputs: list):
+    """The vectorised forward graph of ``inputs -> outputs`` and its fixed inputs' values,
+    from the cache when an earlier call had the same graph."""
+    from pytensor.graph.basic import equal_computations
+
+    from dasktensor._pmap import Vectorized
+
+    with _cache_lock:
+        entries = _vectorized_cache.setdefault(model, [])
+        for i, (ins, outs, vec) in enumerate(entries):
+            if (
+                [v.name for v in ins] == [v.name for v in inputs]
+                and len(outs) == len(outputs)
+                and equal_computations(outputs, outs, inputs, ins)
+            ):
+                fixed = vec.fixed_values()
+                if fixed is not None:
+                    entries.append(entries.pop(i))  # most recently used last
+                    return vec, fixed
+    vec = Vectorized(inputs, outputs, [True] * len(inputs), n_batch=2, name="predictive")
+    with _cache_lock:
+        entries = _vectorized_cache.setdefault(model, [])
+        entries.append((inputs, outputs, vec))
+        del entries[:-_CACHE_PER_MODEL]
+    return vec, vec.fixed_values()
 
 
 def _groups(obj) -> dict:
@@ -173,7 +209,7 @@ def sample_posterior_predictive(
     import pymc as pm
     import xarray as xr
 
-    from dasktensor._pmap import Vectorized, _as_dask, auto_chunk, map_blocks
+    from dasktensor._pmap import _as_dask, auto_chunk, map_blocks
 
     model = pm.modelcontext(model)
     posterior = _groups(idata)["posterior"]
@@ -188,7 +224,7 @@ def sample_posterior_predictive(
             f"sample_posterior_predictive: PyMC conditions on {missing}, which the "
             f"posterior does not hold (it has {sorted(posterior.data_vars)})"
         )
-    vec = Vectorized(inputs, outputs, [True] * len(inputs), n_batch=2, name="predictive")
+    vec, fixed = _vectorized(model, inputs, outputs)
     values = [posterior[v.name].data for v in inputs]
 
     group = "predictions" if predictions else "posterior_predictive"
@@ -208,7 +244,7 @@ def sample_posterior_predictive(
             f"got {chunks!r}"
         )
     sample_chunks = _sample_chunks(n_chains, n_draws, per_chunk)
-    arrays = map_blocks(vec, values, sample_chunks, random_seed, "predictive")
+    arrays = map_blocks(vec, values, sample_chunks, random_seed, "predictive", fixed)
     computed = dict(zip([o.name for o in outputs], arrays))
 
     data_vars = {}

@@ -179,3 +179,18 @@ def test_compute_shows_the_distributed_progress_bar_and_it_can_be_turned_off(
         hidden = capsys.readouterr().out
     assert "100% Completed" in shown
     assert "Completed" not in hidden
+
+
+@pytest.mark.filterwarnings("ignore:RandomVariable Ops will stop hiding:DeprecationWarning")
+def test_shared_data_is_read_when_called_and_new_sizes_rebuild_the_graph():
+    data = pytensor.shared(np.ones(3), name="data")
+    rng = pytensor.shared(np.random.default_rng(0))
+    g = dt.pmap(lambda x: x * data.sum() + pt.random.normal(size=data.shape, rng=rng) * 0.0)
+    x = np.arange(4.0)
+    before = g(x)  # lazy: holds the data of this call
+    np.testing.assert_array_equal(before.compute(), np.repeat(3.0 * x[:, None], 3, axis=1))
+    data.set_value(np.full(3, 2.0))
+    np.testing.assert_array_equal(g(x).compute(), np.repeat(6.0 * x[:, None], 3, axis=1))
+    np.testing.assert_array_equal(before.compute(), np.repeat(3.0 * x[:, None], 3, axis=1))
+    data.set_value(np.ones(5))  # the random variable's size follows the data's shape
+    np.testing.assert_array_equal(g(x).compute(), np.repeat(5.0 * x[:, None], 5, axis=1))

@@ -294,3 +294,46 @@ def test_bad_chunks_fail_clearly():
     )
     with pytest.raises(ValueError, match=r"chunks=...\) expected 'auto' or an int > 0, got -1"):
         dt.sample_posterior_predictive(_trace_of(posterior), model=linear_regression(), chunks=-1)
+
+
+def test_later_calls_reuse_the_vectorised_graph_and_read_data_at_call_time():
+    """A second call compiles nothing new (PyMC builds its forward graph again, equal to the
+    first); new values of a pm.Data variable are read at each call, and a new length
+    builds the graph again."""
+    import xarray as xr
+
+    from dasktensor._predictive import _vectorized_cache
+
+    rng = np.random.default_rng(4)
+    posterior = xr.Dataset(
+        {
+            "slope": (("chain", "draw"), rng.normal(3.0, 0.01, (2, 300))),
+            "sigma": (("chain", "draw"), np.full((2, 300), 0.1)),
+        },
+        coords={"chain": [0, 1], "draw": np.arange(300)},
+    )
+    idata = _trace_of(posterior)
+    model = with_data()
+
+    def mean_y(**kwargs):
+        result = dt.sample_posterior_predictive(idata, model=model, random_seed=5, **kwargs)
+        y = np.asarray(group_of(result, "predictions" if kwargs else "posterior_predictive")["y"])
+        return y.mean(axis=(0, 1))
+
+    first = mean_y()
+    (entry,) = _vectorized_cache[model]
+    np.testing.assert_array_equal(mean_y(), first)  # same seed, same draws
+    assert _vectorized_cache[model] == [entry]  # found again: nothing vectorised or compiled
+
+    x = np.linspace(0.0, 1.0, 20)
+    np.testing.assert_allclose(first, 3.0 * x, atol=0.03)
+    with model:
+        pm.set_data({"x": 2.0 * x})
+    np.testing.assert_allclose(mean_y(), 6.0 * x, atol=0.03)  # new values, same graph
+    assert _vectorized_cache[model][-1] is entry
+
+    new_x = np.linspace(1.0, 2.0, 7)
+    with model:
+        pm.set_data({"x": new_x, "y_data": np.zeros(7)}, coords={"obs": np.arange(7)})
+    np.testing.assert_allclose(mean_y(predictions=True), 3.0 * new_x, atol=0.03)
+    assert _vectorized_cache[model][-1] is not entry  # the size of y changed: built again
