@@ -23,7 +23,10 @@ Timed warm (every variant called before timing), in interleaved rounds (``compar
 Targets: dt / NumPyro <= 1.0 and dt / NumPy floor <= 1.5.  The same ratios are reported for
 a job 100x larger (100,000 observations: 400 million draws, 3.2 GB per result), where
 each variant is sampled fewer times (PyMC fewest); there every call is timed on its own,
-with the previous result freed and garbage collected outside the timed region.
+with the previous result freed and garbage collected outside the timed region.  There the
+results' memory counts: each variant allocates and first touches GBs (dt: the chunks, then
+the assembled result; the floor: two temporaries of the result's size), which on a VM
+whose memory is backed lazily can cost more than drawing the numbers.
 
 NumPyro and JAX come with the ``benchmarks`` extra; without them the NumPyro columns are
 reported as unavailable (with the import error).

@@ -16,12 +16,13 @@ Timed warm (graph compiled on the workers and here first), in interleaved rounds
   limited to one thread): the baseline;
 * as information, the threaded scheduler in this process (2 threads).
 
-Target: sync / cluster >= 1.8.  ``N`` / chunks give ``CHUNKS`` equal chunks (4 per worker,
-so the two workers stay busy to the end).  Also printed: the chunks ``chunks="auto"``
-would choose here (auto-chunking sizes chunks by bytes of data, not by compute), and, to
-read the speed-up against, how many cores two worker processes get at the moment (a
-pure-Python loop on one worker, then on both at once, before and after the timing: 2.0
-when both cores are free).
+Target: sync / cluster >= 1.8.  ``N`` / chunks give ``CHUNKS`` = 32 equal chunks (16 per
+worker, ~0.15 s each: if one worker runs slower, as on a shared machine, the other takes
+more chunks, and the last chunk leaves little idle time).  Also printed: the chunks
+``chunks="auto"`` would choose here (auto-chunking sizes chunks by bytes of data, not by
+compute), and, to read the speed-up against, how many cores two worker processes get at
+the moment (a pure-Python loop on one worker, then on both at once, before and after the
+timing: 2.0 when both cores are free).
 
 Run: ``python benchmarks/bench_p8_pmap.py [--n N] [--steps N] [--chunks N]``
 """
@@ -52,7 +53,7 @@ WORKERS = 2
 SIZE = 100
 N = 1600
 STEPS = 20
-CHUNKS = 8
+CHUNKS = 32
 
 
 def element(steps: int):
