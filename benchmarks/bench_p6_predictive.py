@@ -11,7 +11,8 @@ Timed warm (every variant called before timing), in interleaved rounds (``compar
 
 * ``dt.sample_posterior_predictive(..., compute=True, progressbar=False)``: the threaded
   scheduler in this process, default chunks (each call also runs PyMC on one draw and
-  compiles the vectorised graph: what a user pays per call);
+  finds the vectorised graph an earlier call compiled: what a user pays per call once
+  warm; the fixed part is printed as the cost of a call on a one-draw trace);
 * ``pm.sample_posterior_predictive(..., progressbar=False)``: PyMC's loop over draws;
 * NumPyro's ``Predictive(model, posterior_samples, parallel=True)``: the same model
   written in NumPyro, the same a, b, sigma draws flattened to 4,000 samples, vmapped on

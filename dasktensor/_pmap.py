@@ -390,18 +390,30 @@ class PMapped:
         self.random_seed = random_seed
         self._cache: dict = {}
 
-    def _axes(self, n: int) -> list[bool]:
+    def _axes(self, args: list) -> list[int | None]:
+        """Per argument: its batch axis (normalised to >= 0), or None."""
+        n = len(args)
         axes = self.in_axes
         axes = [axes] * n if axes is None or isinstance(axes, int) else list(axes)
         if len(axes) != n:
             raise ValueError(f"pmap: in_axes has {len(axes)} entries for {n} inputs")
-        for a in axes:
-            if a not in (0, None):
+        out = []
+        for i, (a, x) in enumerate(zip(axes, args)):
+            if a is None:
+                out.append(None)
+                continue
+            if isinstance(a, bool) or not isinstance(a, int | np.integer):
                 raise ValueError(
-                    f"pmap: in_axes entries must be 0 (batched along the first axis) or None "
+                    "pmap: in_axes entries must be an int (the input's batch axis) or None "
                     f"(the same for every element), got {a!r}"
                 )
-        return [a == 0 for a in axes]
+            if not -x.ndim <= a < x.ndim:
+                raise ValueError(
+                    f"pmap: in_axes[{i}]={a} is out of range for input {i} of shape "
+                    f"{tuple(x.shape)}"
+                )
+            out.append(int(a) % x.ndim)
+        return out
 
     def _graph(self, args, batched):
         """The element-wise graph for these arguments (built once per signature)."""
@@ -427,16 +439,20 @@ class PMapped:
         import dask.array as da
 
         args = [x if isinstance(x, da.Array) else np.asarray(x) for x in args]
-        batched = self._axes(len(args))
-        if not any(batched):
-            raise ValueError("pmap needs at least one input with in_axes=0")
+        axes = self._axes(args)
+        if all(a is None for a in axes):
+            raise ValueError("pmap needs at least one batched input (in_axes not None)")
+        # the batch axis first: the vectorised graph batches leading axes
+        args = [
+            x if a in (None, 0) else (da if isinstance(x, da.Array) else np).moveaxis(x, a, 0)
+            for x, a in zip(args, axes)
+        ]
+        batched = [a is not None for a in axes]
         sizes = {x.shape[0] for x, b in zip(args, batched) if b}
-        for x, b in zip(args, batched):
-            if b and x.ndim == 0:
-                raise ValueError("pmap: a batched input (in_axes=0) must have a first axis")
         if len(sizes) != 1:
             raise ValueError(
-                f"pmap: batched inputs must have the same length along axis 0, got {sorted(sizes)}"
+                "pmap: batched inputs must have the same length along their batch axes, "
+                f"got {sorted(sizes)}"
             )
         (n,) = sizes
         signature = tuple(
@@ -522,9 +538,10 @@ def pmap(
     fn : callable or (inputs, outputs)
         A function taking PyTensor variables (one element of each input) and returning
         the output variable(s), or the graph itself as ``(inputs, outputs)``.
-    in_axes : 0, None or sequence of them
-        Per input: ``0`` maps over its first axis, ``None`` passes it whole to every
-        element (it is sent once, not copied per chunk).
+    in_axes : int, None or sequence of them
+        Per input: an int maps over that axis (``0``: the first), ``None`` passes it
+        whole to every element (it is sent once, not copied per chunk).  The outputs
+        carry the batch axis first.
     chunks : int or "auto"
         Elements per chunk (one Dask task each).  ``"auto"`` follows the chunks of a Dask
         array input, else aims at ``dasktensor.pmap.chunk-bytes`` of data per chunk.

@@ -79,6 +79,21 @@ def test_pmap_equals_a_python_loop(name, chunks):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
+def test_in_axes_maps_over_any_axis_with_the_batch_axis_first_in_the_result():
+    x = RNG.normal(size=(3, 6, 4))  # batch along axis 1 (and -2)
+    w = RNG.normal(size=(4, 6))  # batch along axis 1 (the last)
+    want = np.stack([np.tanh(x[:, i, :] @ w[:, i]) for i in range(6)])
+    for axes in [(1, 1), (-2, -1)]:
+        got = dt.pmap(lambda a, b: pt.tanh(a @ b), in_axes=axes, chunks=4)(x, w)
+        assert got.shape == (6, 3)
+        np.testing.assert_allclose(got.compute(), want)
+    lazy = dt.pmap(lambda a, b: pt.tanh(a @ b), in_axes=(1, 1))(
+        da.from_array(x, chunks=(3, 2, 4)), w
+    )
+    assert lazy.chunks[0] == (2, 2, 2)  # the Dask input's chunks along its batch axis
+    np.testing.assert_allclose(lazy.compute(), want)
+
+
 def test_dask_array_input_keeps_its_chunks_and_reductions_stay_lazy():
     x = da.from_array(RNG.normal(size=(11, 4)), chunks=(4, 4))
     y = dt.pmap(lambda v: pt.exp(v) / pt.exp(v).sum())(x)
@@ -155,9 +170,15 @@ def test_each_worker_compiles_the_chunk_function_once(client):
 
 
 def test_bad_arguments_fail_clearly():
-    with pytest.raises(ValueError, match=r"in_axes entries must be 0 .* or None .*, got 1"):
-        dt.pmap(pt.exp, in_axes=1)(np.ones((2, 2)))
-    with pytest.raises(ValueError, match=r"same length along axis 0, got \[2, 3\]"):
+    with pytest.raises(ValueError, match=r"in_axes entries must be an int .* or None .*, got 'x'"):
+        dt.pmap(pt.exp, in_axes="x")(np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"in_axes\[0\]=2 is out of range for input 0 of shape"):
+        dt.pmap(pt.exp, in_axes=2)(np.ones((2, 2)))
+    with pytest.raises(ValueError, match=r"in_axes\[0\]=0 is out of range .* shape \(\)"):
+        dt.pmap(pt.exp)(np.float64(1.0))
+    with pytest.raises(ValueError, match="needs at least one batched input"):
+        dt.pmap(pt.exp, in_axes=None)(np.ones(2))
+    with pytest.raises(ValueError, match=r"same length along their batch axes, got \[2, 3\]"):
         dt.pmap(lambda a, b: a + b)(np.ones(2), np.ones(3))
     with pytest.raises(ValueError, match=r"chunks=...\) expected 'auto' or an int > 0, got 0"):
         dt.pmap(pt.exp, chunks=0)
