@@ -486,36 +486,85 @@ class PMapped:
         seed = random_seed if random_seed is not None else self.random_seed
         outs = map_blocks(vec, args, batch, seed, name=self.name, fixed=fixed)
         if compute:
-            outs = compute_with_progress(outs, None, progressbar)
+            outs = compute_arrays(outs, None, progressbar)
         return outs[0] if single else tuple(outs)
 
 
-def compute_with_progress(collections: list, client, progressbar: bool) -> list:
-    """Compute Dask collections on ``client`` (or Dask's current scheduler), with Dask's
-    progress bar: ``distributed.progress`` on a client, ``dask.diagnostics.ProgressBar``
-    on a local scheduler (shown for runs longer than a second)."""
-    import dask
-
-    if client is None:
-        from dask.base import get_scheduler
-
-        get = get_scheduler()
-        owner = getattr(get, "__self__", None)
-        if type(owner).__name__ == "Client" and hasattr(owner, "compute"):
-            client = owner
+def _default_client(client):
+    """``client``, else the client Dask computes on now (the default one), else None."""
     if client is not None:
-        futures = client.compute(list(collections))
+        return client
+    from dask.base import get_scheduler
+
+    owner = getattr(get_scheduler(), "__self__", None)
+    if type(owner).__name__ == "Client" and hasattr(owner, "compute"):
+        return owner
+    return None
+
+
+def compute_arrays(arrays: list, client, progressbar: bool) -> list[np.ndarray]:
+    """Compute Dask arrays into NumPy arrays allocated up front, chunk by chunk.
+
+    Every chunk is copied into its place as soon as it is computed, then freed: the peak
+    memory is the result plus the chunks in flight.  ``dask.compute`` would keep every
+    chunk until the end and then concatenate them: twice the result, which for results of
+    several GB costs both memory and time (every page of both is touched once).
+
+    On ``client`` (or Dask's default client) chunks are gathered as they complete, with
+    ``distributed.progress``; on a local scheduler they are stored by Dask's own tasks
+    (``dask.array.store``), with ``dask.diagnostics.ProgressBar`` (for runs over a
+    second).  Chunks that several arrays share (the outputs of one pmap chunk) are
+    computed once.
+    """
+    import dask
+    import dask.array as da
+    from dask.array.core import slices_from_chunks
+
+    outs = [np.empty(a.shape, dtype=a.dtype) for a in arrays]
+    client = _default_client(client)
+    if client is not None:
+        from distributed import as_completed
+
+        blocks, places = [], []
+        for a, out in zip(arrays, outs):
+            # unoptimised: chunks shared by several arrays keep one key (fusing them with
+            # each array's getitem would compute them once per array)
+            delayed = a.to_delayed(optimize_graph=False).ravel()
+            for block, place in zip(delayed, slices_from_chunks(a.chunks)):
+                blocks.append(block)
+                places.append((out, place))
+        futures = client.compute(blocks)
+        where = {f.key: [] for f in futures}
+        for f, place in zip(futures, places):
+            where[f.key].append(place)
         if progressbar:
             from distributed import progress
 
             progress(futures)
-        return client.gather(futures)
+        pending = as_completed(futures, loop=client.loop, with_results=True)
+        del futures  # a chunk's result is released on the cluster once it is copied
+        for future, value in pending:
+            for out, place in where.pop(future.key, ()):
+                out[place] = value
+            del future, value
+        return outs
+    from dask.base import get_scheduler
+
+    get = get_scheduler()
+    if getattr(get, "__module__", "") == "dask.multiprocessing":  # no shared targets there
+        computed = dask.compute(*arrays)
+        for out, value in zip(outs, computed):
+            out[...] = value
+        return outs
+    store = lambda: da.store(arrays, outs, lock=False)  # noqa: E731
     if progressbar:
         from dask.diagnostics import ProgressBar
 
         with ProgressBar(minimum=1.0):
-            return list(dask.compute(*collections))
-    return list(dask.compute(*collections))
+            store()
+    else:
+        store()
+    return outs
 
 
 def _split(n: int, size: int) -> tuple[int, ...]:

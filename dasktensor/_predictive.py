@@ -266,10 +266,14 @@ def sample_posterior_predictive(
 
 
 def _compute(dataset, client, progressbar: bool):
-    from dasktensor._pmap import compute_with_progress
+    """The dataset with its Dask-backed variables computed into NumPy arrays."""
+    import dask.array as da
 
-    (computed,) = compute_with_progress([dataset], client, progressbar)
-    return computed
+    from dasktensor._pmap import compute_arrays
+
+    names = [n for n, v in dataset.data_vars.items() if isinstance(v.data, da.Array)]
+    values = compute_arrays([dataset[n].data for n in names], client, progressbar)
+    return dataset.assign({n: dataset[n].copy(data=v) for n, v in zip(names, values)})
 
 
 def _replace_group(result, group: str, dataset):
