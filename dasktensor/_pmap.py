@@ -89,6 +89,7 @@ def _freeze_sizes(outputs: list, batched_inputs: list, values: dict) -> tuple[li
     function of those inputs gives the size again, to check that a later call's values
     (new data in a shared variable) still give the sizes frozen here.
     """
+    import pytensor.tensor as pt
     from pytensor.graph.basic import Constant
     from pytensor.graph.replace import clone_replace
     from pytensor.graph.traversal import ancestors, applys_between, graph_inputs
@@ -110,15 +111,9 @@ def _freeze_sizes(outputs: list, batched_inputs: list, values: dict) -> tuple[li
             continue
         fn = _py_function(roots, size)
         value = np.asarray(fn(*[values[v] for v in roots]), dtype=size.dtype)
-        frozen[size] = _pt().constant(value, dtype=size.dtype)
+        frozen[size] = pt.constant(value, dtype=size.dtype)
         checks.append((fn, roots, value))
     return (clone_replace(outputs, replace=frozen) if frozen else outputs), checks
-
-
-def _pt():
-    import pytensor.tensor as pt
-
-    return pt
 
 
 def _py_function(inputs, outputs):

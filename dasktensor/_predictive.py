@@ -51,8 +51,8 @@ def _forward_function(model, small, var_names, predictions):
                 predictions=predictions,
                 progressbar=False,
                 random_seed=0,
-                # one draw, for the structure of the result: Python thunks, no backend
-                # compilation of the forward graph (the chunks compile it once per process)
+                # one draw, for the structure of the result: Python thunks, no rewrites and
+                # no backend compilation (the chunks compile the graph once per process)
                 compile_kwargs={"mode": Mode(linker="py", optimizer=None)},
             )
         finally:
