@@ -19,7 +19,11 @@ Timed warm (graph compiled on the workers and here first), in interleaved rounds
   two halves, each half run by one worker in one task (``scheduler="sync"`` there): no
   scheduling between chunks, the same processes and BLAS settings.  ``cluster /
   ceiling`` is what dasktensor's chunking and Dask's scheduling cost on top of what two
-  cores give this workload (cache and memory bandwidth shared by the cores included).
+  cores give this workload (cache and memory bandwidth shared by the cores included);
+* as information, what two processes give this very work: one worker runs all the chunks
+  in one task alone, then both workers do so at the same time; ``2 x alone / at once`` is
+  2.0 if running side by side slows neither (the pure-Python gauge below measures the
+  same for a loop that touches no memory).
 
 Target: sync / cluster >= 1.8.  ``N`` / chunks give ``CHUNKS`` = 32 equal chunks (16 per
 worker, ~0.15 s each: if one worker runs slower, as on a shared machine, the other takes
@@ -159,23 +163,39 @@ def main(
             ]
             return np.concatenate(client.gather(futures))
 
+        def all_on_one_worker():
+            return client.submit(
+                run_serially, v, w, steps, per_chunk, workers=workers[:1], pure=False
+            ).result()
+
+        def all_on_each_worker_at_once():
+            futures = [
+                client.submit(run_serially, v, w, steps, per_chunk, workers=[a], pure=False)
+                for a in workers
+            ]
+            return client.gather(futures)[0]
+
         cap_before = capacity(client)
         want = sync()
         np.testing.assert_allclose(cluster(), want, rtol=1e-10)  # compiles on the workers
         np.testing.assert_allclose(threads(), want, rtol=1e-10)
         np.testing.assert_allclose(halves_on_workers(), want, rtol=1e-10)
+        np.testing.assert_allclose(all_on_one_worker(), want, rtol=1e-10)
+        np.testing.assert_allclose(all_on_each_worker_at_once(), want, rtol=1e-10)
         times = compare(
             {
                 f"cluster: {WORKERS} worker processes x 1 thread": cluster,
                 "sync: 1 thread in this process": sync,
                 f"threads: {WORKERS} threads in this process": threads,
                 "ceiling: each worker runs half the chunks in one task": halves_on_workers,
+                "one worker runs all the chunks in one task": all_on_one_worker,
+                "both workers run all the chunks at once": all_on_each_worker_at_once,
             },
             repeat=repeat,
             warmup=warmup,
         )
         cap = (cap_before + capacity(client)) / 2
-    t_cluster, t_sync, t_threads, t_ceiling = times.values()
+    t_cluster, t_sync, t_threads, t_ceiling, t_one, t_both = times.values()
     print_table(
         ["variant", "median", "speed-up (sync / variant)"],
         [(k, fmt_time(t), f"{t_sync / t:.3f}") for k, t in times.items()],
@@ -186,6 +206,8 @@ def main(
         Row(NAME, f"speed-up {WORKERS} threads vs sync", t_sync / t_threads),
         Row(NAME, "speed-up of the ceiling vs sync", t_sync / t_ceiling),
         Row(NAME, "cluster / ceiling", t_cluster / t_ceiling),
+        Row(NAME, "one worker alone / sync (a worker's speed)", t_one / t_sync),
+        Row(NAME, "cores two processes give this work (2 x alone / at once)", 2 * t_one / t_both),
         Row(NAME, "sync (1 thread)", t_sync, unit="s"),
         Row(NAME, f"cluster ({WORKERS} workers)", t_cluster, unit="s"),
         Row(NAME, "cores 2 processes get now (pure-Python loop)", round(cap, 2)),
