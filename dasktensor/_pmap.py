@@ -116,9 +116,9 @@ def _freeze_sizes(outputs: list, batched_inputs: list, values: dict) -> tuple[li
     return (clone_replace(outputs, replace=frozen) if frozen else outputs), checks
 
 
-def _py_function(inputs, outputs):
-    """A PyTensor function run by Python thunks after light rewrites: for small helper
-    graphs (sizes, shapes), which a backend would spend far longer compiling than running."""
+def _py_function(inputs, outputs, optimizer: str = "fast_compile"):
+    """A PyTensor function run by Python thunks: for small helper graphs (sizes, shapes),
+    which a backend would spend far longer compiling than running."""
     import pytensor
     from pytensor.compile.mode import Mode
 
@@ -127,7 +127,7 @@ def _py_function(inputs, outputs):
         outputs,
         on_unused_input="ignore",
         accept_inplace=True,
-        mode=Mode(linker="py", optimizer="fast_compile"),
+        mode=Mode(linker="py", optimizer=optimizer),
     )
 
 
@@ -269,23 +269,16 @@ def _output_core_shapes(vec: Vectorized, core_shapes_in: list[tuple]) -> list[tu
 
 
 def _evaluate_core_shapes(vec: Vectorized, core_shapes_in: list[tuple]) -> list[tuple]:
-    import pytensor
-    from pytensor.compile.mode import Mode
-
     fresh, outs = vec.runner._graph
     dummies = []
     for v, b, shape in zip(fresh, vec.batched, core_shapes_in):
         full = (1,) * vec.n_batch + tuple(shape) if b else tuple(shape)
         dummies.append(np.broadcast_to(np.zeros((), dtype=v.type.dtype), full))
     rng_vars = fresh[len(vec.batched) :]
-    # the rewrites reduce the graph to shape arithmetic; Python thunks run that at once
-    # (a backend would compile the whole graph, large constants included)
-    shape_fn = pytensor.function(
-        fresh[: len(vec.batched)] + rng_vars,
-        [o.shape for o in outs],
-        on_unused_input="ignore",
-        accept_inplace=True,
-        mode=Mode(linker="py", optimizer="fast_run"),
+    # the shape rewrites of fast_run reduce the graph to shape arithmetic; Python thunks
+    # run that at once (a backend would compile the whole graph, large constants included)
+    shape_fn = _py_function(
+        fresh[: len(vec.batched)] + rng_vars, [o.shape for o in outs], optimizer="fast_run"
     )
     shapes = shape_fn(*dummies, *[np.random.default_rng(0) for _ in rng_vars])
     return [tuple(int(d) for d in s[vec.n_batch :]) for s in shapes]
@@ -297,26 +290,20 @@ def map_blocks(
     batch_chunks: tuple[tuple[int, ...], ...],
     random_seed=None,
     name: str | None = None,
-    fixed: Sequence | None = None,
+    *,
+    fixed: Sequence,
 ):
     """Dask arrays of the vectorised graph's outputs, one task per block of the batch.
 
     ``args`` are numpy or Dask arrays, batched ones with ``vec.n_batch`` leading batch
     axes; ``batch_chunks`` the chunks of those axes; ``fixed`` the values of the fixed
-    inputs (``vec.fixed_values()`` by default).
+    inputs, from ``vec.fixed_values()``.
     """
     import dask.array as da
     from dask.highlevelgraph import HighLevelGraph
     from dask.task_spec import Task, TaskRef
 
     nb = vec.n_batch
-    if fixed is None:
-        fixed = vec.fixed_values()
-        if fixed is None:
-            raise ValueError(
-                f"{vec.name}: the data in a shared variable changed the size of a random "
-                "variable since the graph was vectorised; vectorise it again"
-            )
     args = [*args, *fixed]
     arrays = []
     core_shapes = []
@@ -491,10 +478,10 @@ def _default_client(client):
         return client
     from dask.base import get_scheduler
 
+    from dasktensor._execute import _is_client
+
     owner = getattr(get_scheduler(), "__self__", None)
-    if type(owner).__name__ == "Client" and hasattr(owner, "compute"):
-        return owner
-    return None
+    return owner if _is_client(owner) else None
 
 
 def compute_arrays(arrays: list, client, progressbar: bool) -> list[np.ndarray]:

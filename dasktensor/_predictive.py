@@ -244,7 +244,7 @@ def sample_posterior_predictive(
             f"got {chunks!r}"
         )
     sample_chunks = _sample_chunks(n_chains, n_draws, per_chunk)
-    arrays = map_blocks(vec, values, sample_chunks, random_seed, "predictive", fixed)
+    arrays = map_blocks(vec, values, sample_chunks, random_seed, "predictive", fixed=fixed)
     computed = dict(zip([o.name for o in outputs], arrays))
 
     data_vars = {}

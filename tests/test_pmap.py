@@ -243,3 +243,13 @@ def test_compute_true_on_a_client_fills_every_output_of_shared_chunks(client):
         got = g(x, compute=True, progressbar=False)
     np.testing.assert_allclose(got[0], np.cumsum(x, axis=1))
     np.testing.assert_allclose(got[1], x.max(axis=1))
+
+
+def test_compute_true_under_the_processes_scheduler():
+    """Chunks computed in other processes cannot be stored into this process's result:
+    they come back and are copied in."""
+    g = dt.pmap(lambda v: v * 2.0 + 1.0, chunks=3)
+    x = np.arange(7.0)
+    with dask.config.set(scheduler="processes", num_workers=2):
+        got = g(x, compute=True, progressbar=False)
+    np.testing.assert_array_equal(got, 2.0 * x + 1.0)
