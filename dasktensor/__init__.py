@@ -16,16 +16,17 @@ from dasktensor._callable_ops import LogpOp as LogpOp
 from dasktensor._callable_ops import arrays_to_arrays_op as arrays_to_arrays_op
 from dasktensor._callable_ops import logp_grad_op as logp_grad_op
 from dasktensor._callable_ops import logp_op as logp_op
-from dasktensor._cluster import connect as connect
-from dasktensor._execute import NoWorkerWithResourcesError as NoWorkerWithResourcesError
+from dasktensor._annotate import Placed as Placed
+from dasktensor._annotate import annotate as annotate
+from dasktensor._cluster import NoWorkerWithResourcesError as NoWorkerWithResourcesError
+from dasktensor._connect import connect as connect
 from dasktensor._function import DaskFunction as DaskFunction
 from dasktensor._function import function as function
 from dasktensor._linker import DASK as DASK
 from dasktensor._linker import DaskLinker as DaskLinker
 from dasktensor._linker import dask_mode as dask_mode
 from dasktensor._parallel_calls import ParallelCallsOp as ParallelCallsOp
-from dasktensor._placement import Placed as Placed
-from dasktensor._placement import annotate as annotate
+from dasktensor._placement import Placement as Placement
 from dasktensor._plan import Plan as Plan
 from dasktensor._plan import Task as Task
 from dasktensor._plan import is_heavy as is_heavy
@@ -53,6 +54,7 @@ __all__ = [
     "PMapped",
     "ParallelCallsOp",
     "Placed",
+    "Placement",
     "Plan",
     "RemoteModel",
     "RemoteModelError",

@@ -26,7 +26,7 @@ from pytensor.graph.op import Op
 from pytensor.tensor.type import TensorType
 
 from dasktensor import _compat
-from dasktensor._placement import _check_annotations
+from dasktensor._placement import Placement, check_name
 
 
 def _as_types(types, what: str) -> tuple[TensorType, ...]:
@@ -44,7 +44,7 @@ class _CallableOp(Op):
     """Common machinery: input checks, annotations, output checks."""
 
     dasktensor_heavy = True
-    __props__ = ("fn", "itypes", "otypes", "dasktensor_name", "_annotation_items", "timeout")
+    __props__ = ("fn", "itypes", "otypes", "dasktensor_name", "dasktensor_placement", "timeout")
 
     def __init__(
         self,
@@ -63,20 +63,17 @@ class _CallableOp(Op):
         from dasktensor._parallel_calls import ParallelCallsOp
 
         _compat.register_python_ops_with_numba(_CallableOp, ParallelCallsOp)
-        if not (isinstance(name, str) and name.replace("-", "").isalpha()):
-            raise ValueError(
-                f"{type(self).__name__}(name=...) expected letters and dashes (it prefixes "
-                f"Dask keys), got {name!r}"
-            )
+        owner = type(self).__name__
+        check_name(name, f"{owner}(name=...)")
         self.fn = fn
         #: the function reaches its model itself (a RemoteModel method): run on the caller
         self.dasktensor_remote = bool(getattr(fn, "dasktensor_remote", False))
         self.itypes = _as_types(itypes, f"{type(self).__name__}(itypes=...)")
         self.otypes = _as_types(otypes, f"{type(self).__name__}(otypes=...)")
         self.dasktensor_name = name
-        annotations = _check_annotations(resources, retries, priority, None)
-        self._annotation_items = tuple(sorted((k, repr(v)) for k, v in annotations.items()))
-        self.dasktensor_annotations = annotations
+        self.dasktensor_placement = Placement.of(
+            owner, resources=resources, retries=retries, priority=priority
+        )
         if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
             raise TypeError(
                 f"{type(self).__name__}(timeout=...) expected a number of seconds > 0, "
@@ -322,8 +319,8 @@ def logp_grad_op(fn=None, /, *, itypes, name="logp-grad-remote", **annotations):
     >>> @dt.logp_grad_op(itypes=[pt.dvector], retries=2)
     ... def normal(x):
     ...     return -0.5 * float(x @ x), -x
-    >>> normal.dasktensor_annotations
-    {'retries': 2}
+    >>> normal.dasktensor_placement
+    Placement(retries=2)
     """
 
     def wrap(f):

@@ -1,231 +1,238 @@
-"""``dt.connect``: a distributed Client, to a running cluster or to an embedded one."""
+"""Cluster plumbing: which Client a call uses, what the workers offer, one submit path.
+
+Everything in dasktensor that talks to a distributed cluster goes through here: the engine
+(cluster tasks), remote models (replica builds) and ``pmap`` (finding the client).
+
+* **Which scheduler.**  :class:`SchedulerRef` keeps a function's choice (a Client, an
+  address, a local scheduler, or Dask's own resolution at call time) in a form that
+  pickles: a Client pickles as its address and each process reconnects lazily
+  (:func:`client_for_address`, one Client per process and address).
+* **Fork.**  ``pm.sample(cores=2)`` forks on Linux.  A forked child resets Dask's threaded
+  scheduler pools (their threads do not exist there: the child would hang on its first
+  graph) and forgets the Clients inherited from its parent, reconnecting to the same
+  scheduler on first use.
+* **Resources.**  A task asking for resources that no worker offers would wait forever;
+  :func:`check_resources` waits up to ``dasktensor.placement.resource-timeout`` for such a
+  worker and raises :class:`NoWorkerWithResourcesError` naming what the workers offer.
+* **Submitting.**  :func:`submit` is the one place a task goes to the cluster, with its
+  :class:`~dasktensor._placement.Placement` turned into ``client.submit`` keywords.
+"""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
 import dask
+import dask.threaded
+from dask.base import get_scheduler
 
 from dasktensor import _config
+from dasktensor._placement import Placement
+
+# ----------------------------------------------------------------------------- clients
+
+_inherited_addresses: list[str] = []
+_clients: dict[tuple[int, str], Any] = {}
+_clients_lock = threading.Lock()
 
 
-def _configured_address() -> str | None:
-    return _config.get("scheduler-address") or dask.config.get("scheduler-address", None)
+def _after_fork_in_child() -> None:  # pragma: no cover - runs in forked children
+    """Make Dask usable in a forked child (see the module docstring)."""
+    global _clients_lock
+    dask.threaded.default_pool = None
+    dask.threaded.pools.clear()
+    dask.threaded.pools_lock = threading.Lock()
+    _clients_lock = threading.Lock()
+    _clients.clear()
+    try:
+        from distributed import client as dclient
+    except ImportError:
+        return
+    inherited = [*dclient._global_clients.values(), dclient._current_client.get()]
+    for c in inherited:
+        address = getattr(getattr(c, "scheduler", None), "address", None)
+        if address and address not in _inherited_addresses:
+            _inherited_addresses.append(address)
+    dclient._global_clients.clear()
+    dclient._current_client.set(None)
+    if dask.config.get("scheduler", None) in ("dask.distributed", "distributed"):
+        # set by the parent's default client; it would make Dask look for that client
+        dask.config.config.pop("scheduler", None)
 
 
-class _NoHandshake(TimeoutError):
-    """Something accepted the connection but did not answer as a Dask scheduler."""
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _handshake(address: str, security, timeout_s: float) -> None:
-    """Connect to ``address`` and complete Dask's handshake within the timeout, or raise.
-
-    ``distributed.Client`` waits for the scheduler's handshake without a timeout once a
-    connection is made, so an endpoint that accepts connections but never answers (a
-    ``tls://`` scheduler reached with ``tcp://``, the dashboard's port) would hang it; and
-    a Client that fails to start stays half-started, its finaliser later blocking other
-    Clients (distributed's LoopRunner lock).  One throw-away connection, in a thread of
-    its own (this thread may run an event loop), checks first.
-
-    Raises
-    ------
-    OSError
-        Could not connect within ``timeout_s`` (refused, unknown host, certificates).
-    _NoHandshake
-        Connected, but no Dask handshake within about a second more.
-    TypeError
-        ``tls://`` without TLS settings (distributed's error).
-    """
-    import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-
-    from distributed.comm import connect as comm_connect
-    from distributed.security import Security
-
-    if security is None and dask.config.get("distributed.client.security-loader", None):
-        return  # the Client asks the configured loader for its certificates
-    if str(address).startswith("inproc://"):
-        return  # a scheduler in this process: nothing to wait for
-    args = (security or Security()).get_connection_args("client")
-
-    async def handshake():
-        # connect() bounds the connection attempts by timeout_s, not the handshake
-        try:
-            comm = await asyncio.wait_for(
-                comm_connect(address, timeout=timeout_s, **args), timeout_s + 1
-            )
-        except asyncio.TimeoutError as e:
-            raise _NoHandshake(f"no Dask handshake from {address}") from e
-        await comm.close()
-
-    with ThreadPoolExecutor(1, thread_name_prefix="dasktensor-connect") as pool:
-        pool.submit(asyncio.run, handshake()).result()
-
-
-def connect(
-    address: str | None = None,
-    *,
-    security=None,
-    n_workers: int | None = None,
-    threads_per_worker: int | None = None,
-    processes: bool | None = None,
-    resources: dict | None = None,
-    host: str = "127.0.0.1",
-    scheduler_port: int = 0,
-    dashboard_address: str | None = None,
-    timeout: float | str | None = None,
-    set_as_default: bool = True,
-    **cluster_kwargs,
-):
-    """Connect to a Dask cluster, or start an embedded one on this machine.
-
-    With an address (argument, ``dask.config`` ``dasktensor.scheduler-address`` or Dask's own
-    ``scheduler-address``, which ``DASK_SCHEDULER_ADDRESS`` sets), returns a Client of that
-    scheduler; ``tls://`` addresses take a ``distributed.security.Security``.  Without one,
-    starts a ``LocalCluster`` whose scheduler and dashboard listen on 127.0.0.1 only, and
-    returns a Client that owns it (closing the client stops the cluster).
-
-    dasktensor only needs the scheduler's address: a cluster started by
-    ``dask scheduler`` / ``dask worker``, dask-jobqueue (HPC queues), dask-kubernetes or any
-    other Dask deployment works the same way.
-
-    Parameters
-    ----------
-    address : str, optional
-        Scheduler address, e.g. ``"tcp://10.0.0.5:8786"``.
-    security : distributed.security.Security, optional
-        TLS settings for ``tls://`` clusters.
-    n_workers, threads_per_worker, processes, resources
-        Embedded cluster only: worker count, threads per worker, worker processes (the
-        default) or threads, and the resources every worker offers (``{"GPU": 1}``).
-        Defaults from ``dasktensor.cluster.*``.
-    host, scheduler_port, dashboard_address
-        Embedded cluster only: where the scheduler and the dashboard listen (default
-        ``127.0.0.1``, a free port, and ``dasktensor.cluster.dashboard-address``);
-        ``dashboard_address=False`` starts no dashboard.
-    timeout : float or str, optional
-        How long to wait for the scheduler (``dasktensor.connect-timeout``).
-    set_as_default : bool
-        Make the client Dask's default, so that ``dt.function`` and ``dask.compute`` use it.
-    **cluster_kwargs
-        Further ``LocalCluster`` arguments (embedded cluster only).
-
-    Returns
-    -------
-    distributed.Client
-        ``client.dashboard_link`` is the dashboard's address.
-
-    Raises
-    ------
-    ConnectionError
-        The scheduler at ``address`` did not answer within ``timeout``, refused the
-        certificates, or a ``tls://`` address came without certificates to connect with.
-
-    Examples
-    --------
-    >>> import dasktensor as dt
-    >>> client = dt.connect(n_workers=1, dashboard_address=False)  # doctest: +SKIP
-    >>> client.close()  # doctest: +SKIP
-    """
-    from dask.utils import parse_timedelta
+def client_for_address(address: str, timeout: float | None = None):
+    """This process's own Client to ``address`` (one per process, created on first use)."""
     from distributed import Client
 
-    timeout_s = parse_timedelta(
-        timeout if timeout is not None else _config.get("connect-timeout"), default="s"
-    )
-    address = address or _configured_address()
-    if address is not None:
-        if cluster_kwargs or n_workers is not None or resources is not None:
+    key = (os.getpid(), address)
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None or client.status not in ("running", "connecting", "newly-created"):
+            if timeout is None:
+                timeout = _config.seconds("connect-timeout")
+            client = Client(address, set_as_default=False, timeout=timeout)
+            _clients[key] = client
+        return client
+
+
+def is_client(obj) -> bool:
+    """Whether ``obj`` is a ``distributed.Client`` (without importing distributed)."""
+    return type(obj).__name__ == "Client" and hasattr(obj, "submit") and hasattr(obj, "gather")
+
+
+def default_client():
+    """The distributed Client Dask would use now (its default), or None."""
+    get = get_scheduler()
+    client = getattr(get, "__self__", None)
+    return client if is_client(client) else None
+
+
+class SchedulerRef:
+    """Which scheduler a compiled function uses, kept in a form that pickles.
+
+    ``None`` follows Dask's resolution at call time.  A ``Client`` is kept, and pickles as
+    its address; a string is a named local scheduler (``"threads"``, ``"sync"``) or a
+    scheduler address; a callable is a scheduler ``get`` function.
+    """
+
+    def __init__(self, scheduler=None):
+        self.pid = os.getpid()  # a Client is of no use in a forked child
+        self.client = None
+        self.address: str | None = None
+        self.get: Callable | str | None = None
+        if scheduler is None:
+            pass
+        elif is_client(scheduler):
+            self.client = scheduler
+            self.address = scheduler.scheduler.address
+        elif isinstance(scheduler, str) and "://" in scheduler:
+            self.address = scheduler
+        elif isinstance(scheduler, str) or callable(scheduler):
+            self.get = scheduler
+        else:
             raise TypeError(
-                "connect() got an address and options for an embedded cluster "
-                f"({', '.join(['n_workers', 'resources', *cluster_kwargs][:3])}...): "
-                "workers of an existing cluster are configured where they are started "
-                "(`dask worker ADDRESS --resources 'GPU=1'`)"
+                "scheduler expected None, a distributed Client, a scheduler address "
+                "('tcp://host:port'), a scheduler name ('threads', 'sync') or a Dask "
+                f"scheduler get function, got {scheduler!r}"
             )
-        tls = str(address).startswith("tls://")
-        try:
-            _handshake(address, security, timeout_s)
-            return Client(
-                address, security=security, timeout=timeout_s, set_as_default=set_as_default
+
+    def __getstate__(self):
+        address = self.address
+        if address is None and self.get is None:
+            # no explicit choice: remember the default client the caller uses now, so the
+            # function keeps using that cluster in another process
+            try:
+                from distributed import default_client as distributed_default
+
+                address = distributed_default().scheduler.address
+            except (ImportError, ValueError):
+                pass
+        return {"address": address, "get": self.get}
+
+    def __setstate__(self, state):
+        self.pid = os.getpid()
+        self.client = None
+        self.address = state["address"]
+        self.get = state["get"]
+
+    def resolve(self):
+        """Return ``("client", Client)`` or ``("get", scheduler_get_callable)``."""
+        if self.client is not None and self.pid == os.getpid() and self.client.status == "running":
+            return "client", self.client
+        if self.address is not None:
+            return "client", client_for_address(self.address)
+        get = get_scheduler(scheduler=self.get)
+        if get is not None and is_client(getattr(get, "__self__", None)):
+            return "client", get.__self__
+        if get is None and _inherited_addresses:
+            return "client", client_for_address(_inherited_addresses[-1])
+        return "get", get or dask.threaded.get
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def scheduler_workers(client) -> dict[str, dict]:
+    """The scheduler's view of its workers: ``{address: info}`` (resources, threads...)."""
+    try:
+        info = client.scheduler_info(n_workers=-1)
+    except TypeError:  # distributed before n_workers=
+        info = client.scheduler_info()
+    return dict(info.get("workers", {}))
+
+
+def offers(worker_resources: dict, wanted: dict | None) -> bool:
+    """Whether a worker offering ``worker_resources`` can run a task wanting ``wanted``."""
+    return all((worker_resources or {}).get(k, 0) >= v for k, v in (wanted or {}).items())
+
+
+class NoWorkerWithResourcesError(RuntimeError):
+    """No worker of the cluster offers the resources that a task asks for."""
+
+
+_resources_seen: dict[tuple[int, str], tuple[float, list[dict]]] = {}
+_RESOURCE_CACHE_SECONDS = 2.0
+
+
+def _worker_resources(client, refresh: bool = False) -> list[dict]:
+    key = (id(client), client.scheduler.address)
+    now = time.monotonic()
+    cached = _resources_seen.get(key)
+    if cached is not None and not refresh and now - cached[0] < _RESOURCE_CACHE_SECONDS:
+        return cached[1]
+    found = [dict(w.get("resources") or {}) for w in scheduler_workers(client).values()]
+    _resources_seen[key] = (now, found)
+    return found
+
+
+def check_resources(client, placements: Iterable[Placement]) -> None:
+    """Fail with a clear error when no worker offers a task's resources (after a timeout).
+
+    A task whose resources no worker offers would otherwise wait forever.
+    """
+    wanted = [p.resources for p in placements if p.resources]
+    if not wanted:
+        return
+
+    def missing(workers):
+        return [r for r in wanted if not any(offers(w, r) for w in workers)]
+
+    if not missing(_worker_resources(client)):
+        return
+    timeout = _config.seconds("placement.resource-timeout")
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = _worker_resources(client, refresh=True)
+        lacking = missing(workers)
+        if not lacking:
+            return
+        if time.monotonic() >= deadline:
+            offered = [w for w in workers if w] or "no resources at all"
+            raise NoWorkerWithResourcesError(
+                f"No worker of the cluster at {client.scheduler.address} offers the "
+                f"resources {lacking[0]} that a task asks for (waited {timeout:g} s; "
+                f"{len(workers)} worker(s), offering {offered}). Start a worker with "
+                'them, e.g. `dask worker ADDRESS --resources "GPU=1"`, or '
+                "LocalCluster(resources={...}); the wait is set by "
+                "dask.config 'dasktensor.placement.resource-timeout'."
             )
-        except TypeError as e:
-            if not tls:
-                raise
-            # distributed fails with a TypeError, before connecting, when it has no TLS
-            # context for a tls:// address (no security=, nor certificates in its config)
-            raise ConnectionError(
-                f"Could not connect to the TLS scheduler at {address!r}: no certificates "
-                f"to connect with ({e}). Give the cluster's certificates as "
-                "dt.connect(address, security=Security(tls_ca_file=..., "
-                "tls_client_cert=..., tls_client_key=...)) or in Dask's config "
-                "(distributed.comm.tls.ca-file, distributed.comm.tls.client.cert, "
-                "distributed.comm.tls.client.key)."
-            ) from e
-        except (OSError, TimeoutError) as e:
-            if isinstance(e, _NoHandshake):
-                cause = (
-                    "something accepted the connection but did not answer as a Dask "
-                    "scheduler: a tls:// scheduler reached with tcp://, the dashboard's "
-                    "port instead of the scheduler's (8786 by default)?"
-                )
-            else:
-                cause = f"{type(e).__name__}: {e}"
-            raise ConnectionError(
-                f"Could not reach a Dask scheduler at {address!r} within {timeout_s:g} s "
-                f"({cause}). Start one with `dask scheduler` and workers "
-                f"with `dask worker {address}`, check the address and firewall"
-                + (", and that security= holds certificates the cluster trusts" if tls else "")
-                + ", or call dt.connect() without an address for an embedded cluster on this "
-                "machine."
-            ) from e
-
-    kwargs = {
-        "n_workers": n_workers if n_workers is not None else _config.get("cluster.n-workers"),
-        "threads_per_worker": (
-            threads_per_worker
-            if threads_per_worker is not None
-            else _config.get("cluster.threads-per-worker")
-        ),
-        "processes": processes if processes is not None else _config.get("cluster.processes"),
-        "host": host,
-        "scheduler_port": scheduler_port,
-        # workers import dasktensor (and PyTensor, ~1 s) as they start, not on first use
-        "preload": ["dasktensor"],
-        **cluster_kwargs,
-    }
-    dashboard = (
-        dashboard_address
-        if dashboard_address is not None
-        else _config.get("cluster.dashboard-address")
-    )
-    if dashboard:
-        kwargs["dashboard_address"] = dashboard
-    else:
-        # no dashboard; the scheduler's HTTP server (health, metrics) still starts, and
-        # would otherwise take port 8787 on every interface
-        kwargs["dashboard_address"] = None
-        kwargs["scheduler_kwargs"] = {
-            **kwargs.get("scheduler_kwargs", {}),
-            "dashboard": False,
-            "dashboard_address": f"{host}:0",
-        }
-    if resources is not None:
-        kwargs["resources"] = dict(resources)
-    # a task asking for resources that no worker offers fails instead of waiting forever
-    no_workers = {
-        "distributed.scheduler.no-workers-timeout": _config.get("placement.resource-timeout")
-    }
-    with dask.config.set(no_workers):
-        if security is None:
-            # the client starts the cluster and stops it when it closes
-            return Client(
-                timeout=timeout_s, set_as_default=set_as_default, protocol="tcp://", **kwargs
-            )
-        from distributed import LocalCluster
-
-        cluster = LocalCluster(security=security, protocol="tls://", **kwargs)
-        # client.shutdown() stops this cluster with the client
-        return Client(cluster, security=security, timeout=timeout_s, set_as_default=set_as_default)
+        time.sleep(0.1)
 
 
-def _default(value, key: str):
-    """``value``, or the ``dasktensor.<key>`` setting when it is None."""
-    return value if value is not None else _config.get(key)
+# ----------------------------------------------------------------------------- submitting
+
+
+def submit(client, fn: Callable, *args, key: str, placement: Placement | None = None):
+    """Submit ``fn(*args)`` as the task ``key``, placed as ``placement`` says; a Future.
+
+    Tasks are never pure (each call has fresh keys, see ``dasktensor._translate``).
+    """
+    kwargs = (placement or Placement()).submit_kwargs()
+    return client.submit(fn, *args, key=key, pure=False, **kwargs)

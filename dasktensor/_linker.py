@@ -22,7 +22,8 @@ from pytensor.compile.mode import Mode, register_mode
 from pytensor.link.basic import Container
 
 from dasktensor import _compat
-from dasktensor._execute import PlanExecutor, SchedulerRef
+from dasktensor._cluster import SchedulerRef
+from dasktensor._execute import PlanExecutor
 from dasktensor._plan import Plan, plan_graph
 
 _BACKEND_LINKER = _compat.backend_mode().linker

@@ -1,299 +1,215 @@
-"""Placement: ``dt.annotate`` marks a subgraph with Dask annotations.
+"""Placement: where and how one task runs, as one value.
 
-Tags on variables do not survive PyTensor's rewrites, so the marked subgraph is wrapped in
-an Op of its own: :class:`Placed`, an ``OpFromGraph`` that the planner treats as heavy (one
-task) and whose annotations (resources, retries, priority, workers) become the task's
-annotations on the distributed scheduler.
+Every place that accepts placement options (``dt.annotate``, the callable Ops,
+``RemoteModel``) builds a :class:`Placement`; the planner copies it onto the task, and the
+engine turns it into Dask's vocabulary with :meth:`Placement.submit_kwargs` (``client.submit``)
+or :meth:`Placement.annotations` (layer annotations of ``f.to_dask``).  Adding an option
+touches this class and its test, nothing else.
 
-How the context manager finds the subgraph: while an ``annotate`` block is open in a
-thread, every ``Apply`` node and every ``Variable`` created in that thread is recorded.
-PyTensor builds throw-away "dummy" nodes while it constructs a graph (the core node of a
-``Blockwise``, the scalar node of an ``Elemwise``): they hang from unnamed root variables
-created inside the block, and are dropped.  When the block closes, the remaining nodes whose
-outputs are not used inside the block (the values the block produced last) are replaced by
-one ``Placed`` node computing them from the block's inputs.
-The variables the caller holds are rewired in place to that node, so code after the block
-uses the placed computation.  Intermediate values of the block that are also used after it
-stay outside the placement (they are computed where the planner puts them).
+``mode`` is not a Dask annotation: it names the PyTensor mode (``"JAX"``, ``"NUMBA"``, a
+``Mode``) that compiles the task's subgraph in the process that runs it, so that the stage
+placed on a GPU worker is compiled for that device while the rest stays on the line's own
+backend.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from numbers import Integral, Real
+from typing import Any
 
-from pytensor.compile.builders import OpFromGraph
-from pytensor.graph.basic import Apply, Constant, Variable
-from pytensor.graph.replace import clone_replace
-
-from dasktensor import _compat
-from dasktensor._plan import op_label
+_LABEL = re.compile(r"[A-Za-z]+(-[A-Za-z]+)*\Z")
 
 
-class Placed(OpFromGraph):
-    """A subgraph that runs as one Dask task with annotations.
+def check_name(name, owner: str, what: str = "it prefixes Dask keys") -> str:
+    """``name`` if it is letters and dashes (a readable Dask key prefix), else ValueError.
 
-    Built by :func:`annotate`; rarely constructed directly.
-
-    Parameters
-    ----------
-    inputs, outputs
-        The inner graph, as for ``OpFromGraph``.
-    annotations : dict
-        Dask task annotations: ``resources``, ``retries``, ``priority``, ``workers``,
-        ``allow_other_workers``.
-    label : str
-        Prefix of the task's keys on the dashboard.
+    Examples
+    --------
+    >>> check_name("ode-solve", "annotate(name=...)")
+    'ode-solve'
+    >>> check_name("solve_1", "annotate(name=...)")
+    Traceback (most recent call last):
+    ...
+    ValueError: annotate(name=...) expected letters and dashes (it prefixes Dask keys), got 'solve_1'
     """
-
-    dasktensor_heavy = True
-
-    def __init__(self, inputs, outputs, *, annotations=None, label="annotated", **kwargs):
-        self.dasktensor_annotations = dict(annotations or {})
-        self.dasktensor_name = label
-        super().__init__(inputs, outputs, **kwargs)
-
-    def _placement_key(self):
-        ann = self.dasktensor_annotations
-        return (self.dasktensor_name, tuple(sorted((k, repr(v)) for k, v in ann.items())))
-
-    def __eq__(self, other):
-        return (
-            type(self) is type(other)
-            and self._placement_key() == other._placement_key()
-            and super().__eq__(other)
-        )
-
-    def __hash__(self):
-        return hash((super().__hash__(), self._placement_key()))
-
-    def __str__(self):
-        return f"Placed{{{self.dasktensor_name}, {self.dasktensor_annotations}}}"
-
-    # Gradients of a placed subgraph are placed the same way (the backward pass of a GPU
-    # surrogate belongs on the GPU worker too), under the name "<name>-grad".
-
-    @property
-    def derivative_op_type(self):  # PyTensor 3 builds derivative graphs with this type
-        return functools.partial(
-            Placed, annotations=self.dasktensor_annotations, label=self._grad_label()
-        )
-
-    def _grad_label(self) -> str:
-        return f"{self.dasktensor_name}-grad"
-
-    if not _compat.PYTENSOR_3:  # PyTensor 2.38 wraps derivatives in a plain OpFromGraph
-
-        def L_op(self, inputs, outputs, output_grads):
-            grads = super().L_op(inputs, outputs, output_grads)
-            replaced: dict = {}
-            for g in grads:
-                node = getattr(g, "owner", None)
-                if node is None or type(node.op) is not OpFromGraph or node in replaced:
-                    continue
-                op = Placed(
-                    node.op.inner_inputs,
-                    node.op.inner_outputs,
-                    annotations=self.dasktensor_annotations,
-                    label=self._grad_label(),
-                    inline=node.op.is_inline,
-                    on_unused_input="ignore",
-                )
-                replaced[node] = op(*node.inputs, return_list=True)
-            return [
-                replaced[g.owner][g.owner.outputs.index(g)]
-                if getattr(g, "owner", None) in replaced
-                else g
-                for g in grads
-            ]
+    if not (isinstance(name, str) and _LABEL.match(name)):
+        raise ValueError(f"{owner} expected letters and dashes ({what}), got {name!r}")
+    return name
 
 
-# ----------------------------------------------------------------------------- recording
+def _known_modes() -> list[str]:
+    from pytensor.compile.mode import predefined_modes
 
-_local = threading.local()
-_hook_lock = threading.Lock()
-_hook_users = 0
-_original_apply_init = Apply.__init__
-_original_variable_init = Variable.__init__
+    return sorted({"FAST_RUN", "FAST_COMPILE", *predefined_modes} - {"DASK"})
 
 
-def _recording_apply_init(self, *args, **kwargs):
-    _original_apply_init(self, *args, **kwargs)
-    stack = getattr(_local, "stack", None)
-    if stack:
-        stack[-1]._nodes.append(self)
+def _check_mode(mode):
+    """A PyTensor mode name or ``Mode`` that ``get_mode`` accepts (not the DASK mode)."""
+    from pytensor.compile.mode import Mode, get_mode
+
+    if isinstance(mode, Mode):
+        return mode
+    if isinstance(mode, str) and mode.upper() != "DASK":
+        try:
+            get_mode(mode)
+        except ValueError:
+            pass
+        else:
+            return mode
+    raise ValueError(
+        f"mode= expected a PyTensor mode that compiles the block where it runs: one of "
+        f"{', '.join(_known_modes())}, or a pytensor.compile.mode.Mode; got {mode!r}"
+    )
 
 
-def _recording_variable_init(self, *args, **kwargs):
-    _original_variable_init(self, *args, **kwargs)
-    stack = getattr(_local, "stack", None)
-    if stack:
-        stack[-1]._variables.append(self)
-
-
-def _install_hook() -> None:
-    global _hook_users
-    with _hook_lock:
-        _hook_users += 1
-        if _hook_users == 1:
-            Apply.__init__ = _recording_apply_init
-            Variable.__init__ = _recording_variable_init
-
-
-def _remove_hook() -> None:
-    global _hook_users
-    with _hook_lock:
-        _hook_users -= 1
-        if _hook_users == 0:
-            Apply.__init__ = _original_apply_init
-            Variable.__init__ = _original_variable_init
-
-
-def _check_annotations(resources, retries, priority, workers) -> dict:
-    ann: dict = {}
-    if resources is not None:
-        if not isinstance(resources, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, Real) and v > 0 for k, v in resources.items()
-        ):
-            raise TypeError(
-                "annotate(resources=...) expected a dict of resource names to positive "
-                f"amounts, such as {{'GPU': 1}}, got {resources!r}"
-            )
-        ann["resources"] = dict(resources)
-    if retries is not None:
-        if not isinstance(retries, Integral) or retries < 0:
-            raise TypeError(f"annotate(retries=...) expected an integer >= 0, got {retries!r}")
-        ann["retries"] = int(retries)
-    if priority is not None:
-        if not isinstance(priority, Integral):
-            raise TypeError(f"annotate(priority=...) expected an integer, got {priority!r}")
-        ann["priority"] = int(priority)
-    if workers is not None:
-        if isinstance(workers, str):
-            workers = [workers]
-        ann["workers"] = list(workers)
-    return ann
-
-
-class annotate:
-    """Run the subgraph built inside the block as one Dask task with these annotations.
-
-    The marks survive PyTensor's rewrites (the subgraph becomes a :class:`Placed` Op) and
-    become annotations that the distributed scheduler honours: a task asking for
-    ``resources={"GPU": 1}`` only runs on workers started with that resource.
+@dataclass(frozen=True, repr=False)
+class Placement:
+    """Where and how a task runs: Dask's placement options plus the compiling mode.
 
     Parameters
     ----------
     resources : dict, optional
-        Worker resources each run of the subgraph needs, e.g. ``{"GPU": 1}``.
+        Worker resources one run needs, e.g. ``{"GPU": 1}``: only workers offering them run
+        the task.
     retries : int, optional
-        How many times the task is retried after an exception.
+        How many times the task is run again after an exception.
     priority : int, optional
         Scheduling priority (higher runs first).
-    workers : str or list of str, optional
-        Addresses of the workers allowed to run the task.
-    name : str, optional
-        Prefix of the task's keys on the dashboard (letters and dashes).  Defaults to
-        ``"annotated-<op>"`` after the subgraph's main op.
+    workers : str or sequence of str, optional
+        Addresses (or names) of the workers allowed to run the task.
+    allow_other_workers : bool
+        With ``workers``: other workers may run the task when those are busy or gone.
+    mode : str or pytensor.compile.mode.Mode, optional
+        PyTensor mode that compiles the task's subgraph where it runs (``"JAX"``...);
+        ``None`` compiles with the line's own backend.
 
     Examples
     --------
-    >>> import numpy as np, pytensor.tensor as pt
-    >>> import dasktensor as dt
-    >>> x = pt.matrix("x")
-    >>> with dt.annotate(resources={"GPU": 1}, retries=2, name="surrogate"):
-    ...     y = pt.tanh(x @ x.T)
-    >>> f = dt.function([x], y.sum())
-    >>> [t.name for t in f.plan.tasks if t.kind == "heavy"]
-    ['surrogate']
-    >>> f.plan.tasks[0].annotations
+    >>> from dasktensor._placement import Placement
+    >>> p = Placement(resources={"GPU": 1}, retries=2)
+    >>> p
+    Placement(resources={'GPU': 1}, retries=2)
+    >>> p.submit_kwargs()["resources"], p.submit_kwargs()["priority"]
+    ({'GPU': 1}, 0)
+    >>> p.annotations()
     {'resources': {'GPU': 1}, 'retries': 2}
-
-    It also decorates a function that builds a graph:
-
-    >>> @dt.annotate(retries=1)
-    ... def block(v):
-    ...     return pt.exp(v) + 1
+    >>> Placement(retries=-1)
+    Traceback (most recent call last):
+    ...
+    TypeError: retries= expected an integer >= 0, got -1
     """
 
-    def __init__(self, *, resources=None, retries=None, priority=None, workers=None, name=None):
-        self.annotations = _check_annotations(resources, retries, priority, workers)
-        if name is not None and not (isinstance(name, str) and name.replace("-", "").isalpha()):
-            raise ValueError(
-                f"annotate(name=...) expected letters and dashes (it prefixes Dask keys), "
-                f"got {name!r}"
+    resources: Mapping[str, float] | None = None
+    retries: int | None = None
+    priority: int | None = None
+    workers: tuple[str, ...] | None = None
+    allow_other_workers: bool = False
+    mode: Any = None
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        if self.resources is not None:
+            r = self.resources
+            if not isinstance(r, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, Real) and v > 0 for k, v in r.items()
+            ):
+                raise TypeError(
+                    "resources= expected a dict of resource names to positive amounts, "
+                    f"such as {{'GPU': 1}}, got {r!r}"
+                )
+            set_(self, "resources", dict(r) or None)
+        if self.retries is not None:
+            if not isinstance(self.retries, Integral) or self.retries < 0:
+                raise TypeError(f"retries= expected an integer >= 0, got {self.retries!r}")
+            set_(self, "retries", int(self.retries))
+        if self.priority is not None:
+            if not isinstance(self.priority, Integral):
+                raise TypeError(f"priority= expected an integer, got {self.priority!r}")
+            set_(self, "priority", int(self.priority))
+        if self.workers is not None:
+            w = [self.workers] if isinstance(self.workers, str) else self.workers
+            if not all(isinstance(a, str) for a in w) or not w:
+                raise TypeError(
+                    "workers= expected a worker address or a list of them, such as "
+                    f"'tcp://10.0.0.5:40000', got {self.workers!r}"
+                )
+            set_(self, "workers", tuple(w))
+        if not isinstance(self.allow_other_workers, bool):
+            raise TypeError(
+                f"allow_other_workers= expected True or False, got {self.allow_other_workers!r}"
             )
-        self.name = name
-        self._nodes: list[Apply] = []
-        self._variables: list[Variable] = []
+        if self.allow_other_workers and self.workers is None:
+            raise ValueError(
+                "allow_other_workers= expected workers= too (the workers to prefer), got "
+                "allow_other_workers=True alone"
+            )
+        if self.mode is not None:
+            set_(self, "mode", _check_mode(self.mode))
 
-    def _copy(self) -> annotate:
-        new = annotate.__new__(annotate)
-        new.annotations = dict(self.annotations)
-        new.name = self.name
-        new._nodes = []
-        new._variables = []
-        return new
+    @classmethod
+    def of(cls, owner: str, **options) -> Placement:
+        """``Placement(**options)``, its errors naming ``owner`` (``"annotate"``...).
 
-    def __enter__(self) -> annotate:
-        self._nodes = []
-        self._variables = []
-        stack = getattr(_local, "stack", None)
-        if stack is None:
-            stack = _local.stack = []
-        stack.append(self)
-        _install_hook()
-        return self
+        Examples
+        --------
+        >>> Placement.of("annotate", priority="high")
+        Traceback (most recent call last):
+        ...
+        TypeError: annotate(priority=...) expected an integer, got 'high'
+        """
+        try:
+            return cls(**options)
+        except (TypeError, ValueError) as e:
+            message = re.sub(r"^(\w+)=", rf"{owner}(\1=...)", str(e))
+            raise type(e)(message) from None
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        _local.stack.remove(self)
-        _remove_hook()
-        if exc_type is None:
-            self._wrap()
+    # -- in Dask's vocabulary ------------------------------------------------------------
 
-    def __call__(self, fn):
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            with self._copy():
-                return fn(*args, **kwargs)
-
-        return wrapper
-
-    def _wrap(self) -> None:
-        # drop PyTensor's dummy nodes: those hanging from unnamed roots made in the block
-        dummy_roots = {
-            v
-            for v in self._variables
-            if v.owner is None and v.name is None and not isinstance(v, Constant)
+    def submit_kwargs(self) -> dict:
+        """Keyword arguments of ``client.submit`` for one run."""
+        return {
+            "resources": self.resources,
+            "retries": self.retries,
+            "priority": self.priority or 0,
+            "workers": list(self.workers) if self.workers is not None else None,
+            "allow_other_workers": self.allow_other_workers,
         }
-        dummy_outputs: set[Variable] = set()
-        nodes = []
-        for n in self._nodes:  # creation order is a topological order
-            if any(i in dummy_roots or i in dummy_outputs for i in n.inputs):
-                dummy_outputs.update(n.outputs)
-            else:
-                nodes.append(n)
-        self._nodes, self._variables = [], []
-        if not nodes:
-            return
-        produced = {o for n in nodes for o in n.outputs}
-        consumed = {i for n in nodes for i in n.inputs}
-        frontier = [o for n in nodes for o in n.outputs if o not in consumed]
-        inputs, seen = [], set()
-        for n in nodes:
-            for i in n.inputs:
-                if i not in produced and i not in seen and not isinstance(i, Constant):
-                    seen.add(i)
-                    inputs.append(i)
-        if not frontier:
-            return
-        inner_inputs = [v.type() for v in inputs]
-        inner_outputs = clone_replace(frontier, replace=dict(zip(inputs, inner_inputs)))
-        label = self.name or f"annotated-{op_label(nodes[-1].op)}"
-        op = Placed(inner_inputs, inner_outputs, annotations=self.annotations, label=label)
-        for o in frontier:  # rewire the caller's variables to the placed node
-            o.owner = None
-            o.index = None
-        Apply(op, inputs, frontier)
+
+    def annotations(self) -> dict:
+        """The Dask annotations of a task's layer (only the options that are set)."""
+        out = {}
+        for name in ("resources", "retries", "priority", "workers"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = list(value) if name == "workers" else value
+        if self.allow_other_workers:
+            out["allow_other_workers"] = True
+        return out
+
+    # -- value semantics ------------------------------------------------------------------
+
+    def _items(self) -> tuple:
+        return tuple((f.name, repr(getattr(self, f.name))) for f in fields(self))
+
+    def __eq__(self, other) -> bool:
+        return type(other) is Placement and self._items() == other._items()
+
+    def __hash__(self) -> int:
+        return hash(self._items())
+
+    def __bool__(self) -> bool:
+        return self != _NOWHERE
+
+    def __repr__(self) -> str:
+        shown = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != f.default
+        ]
+        return f"Placement({', '.join(shown)})"
+
+
+_NOWHERE = Placement()

@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -62,6 +62,7 @@ from pytensor.graph.basic import Apply, Constant, Variable
 from pytensor.graph.fg import FunctionGraph
 
 from dasktensor import _config
+from dasktensor._placement import Placement
 
 Weight = Literal["heavy", "costly", "cheap"]
 
@@ -73,7 +74,7 @@ def mark_heavy(op_type: type, name: str | None = None) -> type:
 
     Use it for Ops you do not own (a third-party solver Op, say).  Ops you write can
     instead set the class attribute ``dasktensor_heavy = True`` (and optionally
-    ``dasktensor_name`` and ``dasktensor_annotations``).
+    ``dasktensor_name`` and ``dasktensor_placement``, a :class:`~dasktensor.Placement`).
 
     Parameters
     ----------
@@ -207,7 +208,8 @@ class Task:
     outputs: tuple[Variable, ...]
     deps: tuple[int, ...]
     reason: str
-    annotations: Mapping[str, object] = field(default_factory=dict)
+    #: where and how the task runs (resources, retries, ..., the compiling mode)
+    placement: Placement = field(default_factory=Placement)
 
     @property
     def where(self) -> Literal["caller", "cluster"]:
@@ -264,7 +266,7 @@ class Plan:
         lines = [f"Plan: {len(self.fgraph.apply_nodes)} nodes -> {len(self.tasks)} task(s)"]
         for t in self.tasks:
             deps = ",".join(map(str, t.deps)) or "-"
-            ann = f" {dict(t.annotations)}" if t.annotations else ""
+            ann = f" {t.placement}" if t.placement else ""
             lines.append(
                 f"  [{t.index}] {t.name:<24} {t.kind:<6} on {t.where:<7} "
                 f"{len(t.nodes):>5} node(s)  deps: {deps:<8} {t.reason}{ann}"
@@ -515,13 +517,13 @@ def _make_plan(fgraph: FunctionGraph, blocks: list[list[Apply]], weights) -> Pla
             kind, role = "heavy", "remote" if remote[new] else "cluster"
             name = op_label(node.op)
             reason = weights[node][1]
-            annotations = dict(getattr(node.op, "dasktensor_annotations", None) or {})
+            placement = getattr(node.op, "dasktensor_placement", None) or Placement()
         elif heavy_or_costly[new]:
             kind, role = "stage", "cluster"
             costly = [n for n in block if weights[n][0] == "costly"]
             name = "work-" + _dominant_label(costly)
             reason = f"{len(costly)} costly node(s): {weights[costly[0]][1]}"
-            annotations = {}
+            placement = Placement()
         else:
             kind = "stage"
             name = "stage-" + _dominant_label(block)
@@ -533,7 +535,7 @@ def _make_plan(fgraph: FunctionGraph, blocks: list[list[Apply]], weights) -> Pla
                 role, reason = "before", "cheap nodes before heavy work"
             else:
                 role, reason = "beside", "cheap nodes beside heavy work (run while it runs)"
-            annotations = {}
+            placement = Placement()
         tasks.append(
             Task(
                 index=new,
@@ -545,7 +547,7 @@ def _make_plan(fgraph: FunctionGraph, blocks: list[list[Apply]], weights) -> Pla
                 outputs=tuple(outputs),
                 deps=tuple(deps_new[new]),
                 reason=reason,
-                annotations=annotations,
+                placement=placement,
             )
         )
     return Plan(fgraph=fgraph, tasks=tuple(tasks))

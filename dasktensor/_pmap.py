@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dasktensor import _config
+from dasktensor._cluster import default_client
 
 
 def _rng_type():
@@ -472,18 +473,6 @@ class PMapped:
         return outs[0] if single else tuple(outs)
 
 
-def _default_client(client):
-    """``client``, else the client Dask computes on now (the default one), else None."""
-    if client is not None:
-        return client
-    from dask.base import get_scheduler
-
-    from dasktensor._execute import _is_client
-
-    owner = getattr(get_scheduler(), "__self__", None)
-    return owner if _is_client(owner) else None
-
-
 def compute_arrays(arrays: list, client, progressbar: bool) -> list[np.ndarray]:
     """Compute Dask arrays into NumPy arrays allocated up front, chunk by chunk.
 
@@ -503,7 +492,7 @@ def compute_arrays(arrays: list, client, progressbar: bool) -> list[np.ndarray]:
     from dask.array.core import slices_from_chunks
 
     outs = [np.empty(a.shape, dtype=a.dtype) for a in arrays]
-    client = _default_client(client)
+    client = client if client is not None else default_client()
     if client is not None:
         from distributed import as_completed
 

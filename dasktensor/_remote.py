@@ -377,17 +377,13 @@ class RemoteModel:
         timeout: float | None = None,
         scheduler=None,
     ):
-        from dasktensor._execute import SchedulerRef
-        from dasktensor._placement import _check_annotations
+        from dasktensor._cluster import SchedulerRef
+        from dasktensor._placement import Placement, check_name
 
         if not callable(factory):
             raise TypeError(f"RemoteModel expected a callable factory, got {factory!r}")
-        if not (isinstance(name, str) and name.replace("-", "").isalpha()):
-            raise ValueError(
-                "RemoteModel(name=...) expected letters and dashes (it prefixes Dask keys "
-                f"and names the model's Ops), got {name!r}"
-            )
-        _check_annotations(resources, None, None, None)
+        check_name(name, "RemoteModel(name=...)", "it prefixes Dask keys and names the model's Ops")
+        Placement.of("RemoteModel", resources=resources)
         for option, value, low in (("replicas", replicas, 1), ("concurrency", concurrency, 1)):
             if value is not None and not (isinstance(value, int) and value >= low):
                 raise ValueError(
@@ -611,10 +607,10 @@ class RemoteModel:
         threading.Thread(target=refresh, name="dasktensor-refresh", daemon=True).start()
 
     def _find_or_build(self, client) -> list[str]:
-        from dasktensor._execute import _check_resources
+        from dasktensor._cluster import Placement, check_resources
 
         if self.resources:
-            _check_resources(client, [{"resources": self.resources}])
+            check_resources(client, [Placement(resources=self.resources)])
         info = _scheduler_workers(client)
         eligible = [
             a

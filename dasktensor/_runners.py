@@ -6,7 +6,10 @@ it on first use in each process:
 * cheap stages and costly work with the line's own backend (C VM or Numba), without
   rewriting again (the graph was rewritten once, for the whole function);
 * heavy nodes through ``perform`` (Python Ops such as remote calls), or, for an
-  ``OpFromGraph`` (an annotated subgraph), with the backend and its rewrites.
+  ``OpFromGraph`` (an annotated subgraph), with the backend and its rewrites -- or with the
+  mode its :class:`~dasktensor._placement.Placement` names (``"JAX"``...): the runner
+  compiles with it in the process that runs the task, so a block placed on a GPU worker is
+  compiled there, for that worker's device.
 
 A runner pickles as its token and the pickled subgraph (computed once), so shipping it to a
 worker costs a few kilobytes, and a worker keeps one compiled runner per token.  PyTensor
@@ -30,7 +33,7 @@ import numpy as np
 from dask.base import tokenize
 from pytensor.compile.builders import OpFromGraph
 from pytensor.compile.io import In
-from pytensor.compile.mode import Mode
+from pytensor.compile.mode import Mode, get_mode
 from pytensor.graph.basic import Variable
 from pytensor.graph.replace import clone_replace
 
@@ -99,6 +102,9 @@ class TaskRunner:
         How the subgraph is compiled (see the module docstring).
     name : str
         The task's name, used in error messages.
+    mode : str or Mode, optional
+        With ``backend="inner"``: the PyTensor mode that compiles the subgraph (default:
+        the line's own backend).
     """
 
     def __init__(
@@ -108,6 +114,7 @@ class TaskRunner:
         destroyed: Sequence[int] = (),
         backend: Backend = "stage",
         name: str = "task",
+        mode=None,
     ):
         fresh = [v.type() for v in inputs]
         for new, old in zip(fresh, inputs):
@@ -116,6 +123,7 @@ class TaskRunner:
         self.name = name
         self.destroyed = tuple(destroyed)
         self.backend = backend
+        self.mode = mode
         self._graph = (fresh, cloned)
         self._payload: bytes | None = None
         self._pool: list = []
@@ -127,6 +135,7 @@ class TaskRunner:
         """The runner of a :class:`dasktensor._plan.Task`."""
         outputs = task.outputs
         backend: Backend = "stage"
+        mode = None
         if task.kind == "heavy":
             (node,) = task.nodes
             if isinstance(node.op, OpFromGraph):
@@ -134,15 +143,16 @@ class TaskRunner:
                 inner = _compat.inline_op_from_graph(node)
                 outputs = [inner[node.outputs.index(o)] for o in task.outputs]
                 backend = "inner"
+                mode = task.placement.mode
             else:
                 backend = "perform"
-        return cls(task.inputs, outputs, task.destroyed_inputs, backend, task.name)
+        return cls(task.inputs, outputs, task.destroyed_inputs, backend, task.name, mode)
 
     # pickling: the token and the pickled subgraph, compiled again on the other side
     def __reduce__(self):
         if self._payload is None:
             fresh, cloned = self._graph
-            state = (fresh, cloned, self.destroyed, self.backend, self.name)
+            state = (fresh, cloned, self.destroyed, self.backend, self.name, self.mode)
             self._payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
             self._token = tokenize(self._payload)
         return _restore, (self._token, self._payload)
@@ -153,7 +163,7 @@ class TaskRunner:
         if self.backend == "stage":
             mode = Mode(linker=backend.linker, optimizer=None)
         elif self.backend == "inner":
-            mode = backend
+            mode = backend if self.mode is None else get_mode(self.mode)
         else:
             mode = Mode(linker="py", optimizer=None)
         import pytensor
@@ -181,6 +191,12 @@ class TaskRunner:
         with self._pool_lock:
             self._pool.append(fn)
 
+    @property
+    def compiled_functions(self) -> tuple:
+        """The compiled PyTensor functions this runner holds now (one per idle caller)."""
+        with self._pool_lock:
+            return tuple(self._pool)
+
     def __call__(self, *values):
         values = [_aligned(v) for v in values]
         for i in self.destroyed:
@@ -193,7 +209,8 @@ class TaskRunner:
         return tuple(out) if isinstance(out, list) else (out,)
 
     def __repr__(self) -> str:
-        return f"TaskRunner({self.name!r}, backend={self.backend!r})"
+        mode = "" if self.mode is None else f", mode={self.mode!r}"
+        return f"TaskRunner({self.name!r}, backend={self.backend!r}{mode})"
 
 
 def _restore(token: str, payload: bytes) -> TaskRunner:
@@ -202,11 +219,12 @@ def _restore(token: str, payload: bytes) -> TaskRunner:
         if runner is not None:
             _restored.move_to_end(token)
             return runner
-    fresh, cloned, destroyed, backend, name = pickle.loads(payload)
+    fresh, cloned, destroyed, backend, name, mode = pickle.loads(payload)
     runner = TaskRunner.__new__(TaskRunner)
     runner.name = name
     runner.destroyed = destroyed
     runner.backend = backend
+    runner.mode = mode
     runner._graph = (fresh, cloned)
     runner._payload = payload
     runner._token = token

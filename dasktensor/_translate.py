@@ -5,13 +5,17 @@ Each task of the plan becomes one ``dask.task_spec.Task`` calling ``_run(runner,
 references) it reads, and ``picks`` says which output of which dependency feeds which
 input of the runner.  A task returns the tuple of its outputs.
 
+Where a task's inputs come from is one of three small values: :class:`FromTask` (an
+output of another task), :class:`FromInput` (an input of the function) or
+:class:`FromConstant`.
+
 Keys are ``<name>-<task index>-<call token>``: ``dask.utils.key_split`` reduces them to the
-name (``stage-elemwise``, ``logp-remote``), so the dashboard reads like the model, while the
-per-call token keeps every call's keys fresh.
+name (``stage-elementwise``, ``logp-remote``), so the dashboard reads like the model, while
+the per-call token keeps every call's keys fresh.
 
 :meth:`TaskGraph.delayed` builds a ``HighLevelGraph`` with one layer per task, annotated
-with the task's resources, retries and priority, so that ``dask.compute`` on a distributed
-client places the tasks as the annotations say.
+with the task's placement (resources, retries, priority, workers), so that ``dask.compute``
+on a distributed client places the tasks as they say.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import operator
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from dask.delayed import Delayed, delayed
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
@@ -39,6 +45,40 @@ def _run(runner: TaskRunner, picks: tuple, *deps):
     return runner(*[deps[p] if j is None else deps[p][j] for p, j in picks])
 
 
+@dataclass(frozen=True)
+class FromTask:
+    """Output ``output`` of task ``task``."""
+
+    task: int
+    output: int
+
+    def value(self, values: Sequence, results: Sequence):
+        return results[self.task][self.output]
+
+
+@dataclass(frozen=True)
+class FromInput:
+    """Input ``position`` of the function."""
+
+    position: int
+
+    def value(self, values: Sequence, results: Sequence):
+        return values[self.position]
+
+
+@dataclass(frozen=True, eq=False)
+class FromConstant:
+    """A constant of the graph."""
+
+    data: Any
+
+    def value(self, values: Sequence, results: Sequence):
+        return self.data
+
+
+Source = FromTask | FromInput | FromConstant
+
+
 class TaskGraph:
     """A plan's tasks with their runners and data sources, ready to become Dask graphs."""
 
@@ -50,29 +90,32 @@ class TaskGraph:
         produced = {}
         for t in plan.tasks:
             for j, v in enumerate(t.outputs):
-                produced[v] = (t.index, j)
+                produced[v] = FromTask(t.index, j)
 
-        def source(v):
+        def source(v) -> Source:
             if v in produced:
-                return ("task", *produced[v])
+                return produced[v]
             if v in in_pos:
-                return ("input", in_pos[v])
+                return FromInput(in_pos[v])
             if isinstance(v, Constant):
-                return ("const", v.data)
+                return FromConstant(v.data)
             raise AssertionError(f"dasktensor planner lost the producer of {v}")
 
+        #: per task, where each of its inputs comes from
         self.sources = [tuple(source(v) for v in t.inputs) for t in plan.tasks]
+        #: where each output of the function comes from
         self.output_sources = [source(v) for v in fgraph.outputs]
 
     # -- the Dask graph -----------------------------------------------------------------
 
     def keys(self, token: str) -> list[str]:
+        """The task keys of one call."""
         return [f"{t.name}-{t.index}-{token}" for t in self.plan.tasks]
 
-    def _args(
+    def arguments(
         self, index: int, values: Sequence, refs: Sequence, computed: Sequence = ()
     ) -> tuple[tuple, list]:
-        """``picks`` and dependency arguments of one task.
+        """``picks`` and dependency arguments of ``_run`` for task ``index``.
 
         ``refs[t]`` stands for the (tuple) result of task ``t``: a ``TaskRef`` or a Future.
         Where ``computed[t]`` holds task ``t``'s outputs already (run on the caller), the
@@ -80,24 +123,22 @@ class TaskGraph:
         """
         picks, deps, where = [], [], {}
         for src in self.sources[index]:
-            if src[0] == "task" and not (computed and computed[src[1]] is not None):
-                _, t, j = src
-                if ("task", t) not in where:
-                    where[("task", t)] = len(deps)
-                    deps.append(refs[t])
-                picks.append((where[("task", t)], j))
+            if isinstance(src, FromTask) and not (computed and computed[src.task] is not None):
+                if ("task", src.task) not in where:
+                    where[("task", src.task)] = len(deps)
+                    deps.append(refs[src.task])
+                picks.append((where[("task", src.task)], src.output))
                 continue
-            if src[0] == "task":
-                value = computed[src[1]][src[2]]
-            elif src[0] == "input":
-                value = values[src[1]]
-            else:
-                value = src[1]
+            value = src.value(values, computed)
             if id(value) not in where:
                 where[id(value)] = len(deps)
                 deps.append(value)
             picks.append((where[id(value)], None))
         return tuple(picks), deps
+
+    def task_outputs_needed(self) -> set[int]:
+        """Tasks whose results are outputs of the function."""
+        return {s.task for s in self.output_sources if isinstance(s, FromTask)}
 
     def graph(self, values: Sequence, token: str | None = None) -> tuple[dict, list[str]]:
         """The whole task graph for one call (``dask.task_spec`` Tasks) and its task keys."""
@@ -106,20 +147,13 @@ class TaskGraph:
         refs = [TaskRef(k) for k in keys]
         dsk = {}
         for t in self.plan.tasks:
-            picks, deps = self._args(t.index, values, refs)
+            picks, deps = self.arguments(t.index, values, refs)
             dsk[keys[t.index]] = DaskTask(keys[t.index], _run, self.runners[t.index], picks, *deps)
         return dsk, keys
 
-    def _outputs(self, values: Sequence, results: Sequence) -> list:
-        out = []
-        for src in self.output_sources:
-            if src[0] == "task":
-                out.append(results[src[1]][src[2]])
-            elif src[0] == "input":
-                out.append(values[src[1]])
-            else:
-                out.append(src[1])
-        return out
+    def outputs(self, values: Sequence, results: Sequence) -> list:
+        """The function's outputs, from its inputs and the tasks' results."""
+        return [src.value(values, results) for src in self.output_sources]
 
     def delayed(self, values: Sequence) -> list[Delayed]:
         """One ``Delayed`` per output of the graph, annotated per task."""
@@ -128,18 +162,18 @@ class TaskGraph:
         layers, dependencies = {}, {}
         for t in self.plan.tasks:
             key = keys[t.index]
-            ann = {k: v for k, v in t.annotations.items() if v is not None}
+            ann = t.placement.annotations()
             layers[key] = MaterializedLayer({key: dsk[key]}, annotations=ann or None)
             dependencies[key] = {keys[d] for d in t.deps}
         out = []
         for i, src in enumerate(self.output_sources):
-            if src[0] != "task":
-                out.append(delayed(values[src[1]] if src[0] == "input" else src[1]))
+            if not isinstance(src, FromTask):
+                out.append(delayed(src.value(values, ())))
                 continue
-            task_key = keys[src[1]]
+            task_key = keys[src.task]
             key = f"output-{i}-{token}"
             layer = MaterializedLayer(
-                {key: DaskTask(key, operator.getitem, TaskRef(task_key), src[2])}
+                {key: DaskTask(key, operator.getitem, TaskRef(task_key), src.output)}
             )
             hlg = HighLevelGraph({**layers, key: layer}, {**dependencies, key: {task_key}})
             out.append(Delayed(key, hlg))

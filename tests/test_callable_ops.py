@@ -85,7 +85,7 @@ def test_annotations_and_names_reach_the_plan():
     f = dt.function([x := pt.dvector("x")], surrogate(x) + 1)
     (task,) = [t for t in f.plan.tasks if t.kind == "heavy"]
     assert task.name == "surrogate"
-    assert task.annotations == {"resources": {"GPU": 1}, "retries": 2}
+    assert task.placement == dt.Placement(resources={"GPU": 1}, retries=2)
 
 
 def test_logp_grad_op_refuses_integer_inputs_and_second_derivatives():

@@ -11,7 +11,7 @@ import dasktensor as dt
 
 
 def heavy_tasks(f):
-    return [(t.name, t.annotations) for t in f.plan.tasks if t.kind == "heavy"]
+    return [(t.name, t.placement.annotations()) for t in f.plan.tasks if t.kind == "heavy"]
 
 
 def test_annotations_survive_rewrites_and_reach_the_plan():

@@ -1,0 +1,231 @@
+"""``dt.connect``: a distributed Client, to a running cluster or to an embedded one.
+
+What the rest of dasktensor needs of a cluster once connected (finding the client, worker
+resources, submitting) lives in :mod:`dasktensor._cluster`.
+"""
+
+from __future__ import annotations
+
+import dask
+
+from dasktensor import _config
+
+
+def _configured_address() -> str | None:
+    return _config.get("scheduler-address") or dask.config.get("scheduler-address", None)
+
+
+class _NoHandshake(TimeoutError):
+    """Something accepted the connection but did not answer as a Dask scheduler."""
+
+
+def _handshake(address: str, security, timeout_s: float) -> None:
+    """Connect to ``address`` and complete Dask's handshake within the timeout, or raise.
+
+    ``distributed.Client`` waits for the scheduler's handshake without a timeout once a
+    connection is made, so an endpoint that accepts connections but never answers (a
+    ``tls://`` scheduler reached with ``tcp://``, the dashboard's port) would hang it; and
+    a Client that fails to start stays half-started, its finaliser later blocking other
+    Clients (distributed's LoopRunner lock).  One throw-away connection, in a thread of
+    its own (this thread may run an event loop), checks first.
+
+    Raises
+    ------
+    OSError
+        Could not connect within ``timeout_s`` (refused, unknown host, certificates).
+    _NoHandshake
+        Connected, but no Dask handshake within about a second more.
+    TypeError
+        ``tls://`` without TLS settings (distributed's error).
+    """
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distributed.comm import connect as comm_connect
+    from distributed.security import Security
+
+    if security is None and dask.config.get("distributed.client.security-loader", None):
+        return  # the Client asks the configured loader for its certificates
+    if str(address).startswith("inproc://"):
+        return  # a scheduler in this process: nothing to wait for
+    args = (security or Security()).get_connection_args("client")
+
+    async def handshake():
+        # connect() bounds the connection attempts by timeout_s, not the handshake
+        try:
+            comm = await asyncio.wait_for(
+                comm_connect(address, timeout=timeout_s, **args), timeout_s + 1
+            )
+        except asyncio.TimeoutError as e:
+            raise _NoHandshake(f"no Dask handshake from {address}") from e
+        await comm.close()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="dasktensor-connect") as pool:
+        pool.submit(asyncio.run, handshake()).result()
+
+
+def connect(
+    address: str | None = None,
+    *,
+    security=None,
+    n_workers: int | None = None,
+    threads_per_worker: int | None = None,
+    processes: bool | None = None,
+    resources: dict | None = None,
+    host: str = "127.0.0.1",
+    scheduler_port: int = 0,
+    dashboard_address: str | None = None,
+    timeout: float | str | None = None,
+    set_as_default: bool = True,
+    **cluster_kwargs,
+):
+    """Connect to a Dask cluster, or start an embedded one on this machine.
+
+    With an address (argument, ``dask.config`` ``dasktensor.scheduler-address`` or Dask's own
+    ``scheduler-address``, which ``DASK_SCHEDULER_ADDRESS`` sets), returns a Client of that
+    scheduler; ``tls://`` addresses take a ``distributed.security.Security``.  Without one,
+    starts a ``LocalCluster`` whose scheduler and dashboard listen on 127.0.0.1 only, and
+    returns a Client that owns it (closing the client stops the cluster).
+
+    dasktensor only needs the scheduler's address: a cluster started by
+    ``dask scheduler`` / ``dask worker``, dask-jobqueue (HPC queues), dask-kubernetes or any
+    other Dask deployment works the same way.
+
+    Parameters
+    ----------
+    address : str, optional
+        Scheduler address, e.g. ``"tcp://10.0.0.5:8786"``.
+    security : distributed.security.Security, optional
+        TLS settings for ``tls://`` clusters.
+    n_workers, threads_per_worker, processes, resources
+        Embedded cluster only: worker count, threads per worker, worker processes (the
+        default) or threads, and the resources every worker offers (``{"GPU": 1}``).
+        Defaults from ``dasktensor.cluster.*``.
+    host, scheduler_port, dashboard_address
+        Embedded cluster only: where the scheduler and the dashboard listen (default
+        ``127.0.0.1``, a free port, and ``dasktensor.cluster.dashboard-address``);
+        ``dashboard_address=False`` starts no dashboard.
+    timeout : float or str, optional
+        How long to wait for the scheduler (``dasktensor.connect-timeout``).
+    set_as_default : bool
+        Make the client Dask's default, so that ``dt.function`` and ``dask.compute`` use it.
+    **cluster_kwargs
+        Further ``LocalCluster`` arguments (embedded cluster only).
+
+    Returns
+    -------
+    distributed.Client
+        ``client.dashboard_link`` is the dashboard's address.
+
+    Raises
+    ------
+    ConnectionError
+        The scheduler at ``address`` did not answer within ``timeout``, refused the
+        certificates, or a ``tls://`` address came without certificates to connect with.
+
+    Examples
+    --------
+    >>> import dasktensor as dt
+    >>> client = dt.connect(n_workers=1, dashboard_address=False)  # doctest: +SKIP
+    >>> client.close()  # doctest: +SKIP
+    """
+    from dask.utils import parse_timedelta
+    from distributed import Client
+
+    timeout_s = parse_timedelta(
+        timeout if timeout is not None else _config.get("connect-timeout"), default="s"
+    )
+    address = address or _configured_address()
+    if address is not None:
+        if cluster_kwargs or n_workers is not None or resources is not None:
+            raise TypeError(
+                "connect() got an address and options for an embedded cluster "
+                f"({', '.join(['n_workers', 'resources', *cluster_kwargs][:3])}...): "
+                "workers of an existing cluster are configured where they are started "
+                "(`dask worker ADDRESS --resources 'GPU=1'`)"
+            )
+        tls = str(address).startswith("tls://")
+        try:
+            _handshake(address, security, timeout_s)
+            return Client(
+                address, security=security, timeout=timeout_s, set_as_default=set_as_default
+            )
+        except TypeError as e:
+            if not tls:
+                raise
+            # distributed fails with a TypeError, before connecting, when it has no TLS
+            # context for a tls:// address (no security=, nor certificates in its config)
+            raise ConnectionError(
+                f"Could not connect to the TLS scheduler at {address!r}: no certificates "
+                f"to connect with ({e}). Give the cluster's certificates as "
+                "dt.connect(address, security=Security(tls_ca_file=..., "
+                "tls_client_cert=..., tls_client_key=...)) or in Dask's config "
+                "(distributed.comm.tls.ca-file, distributed.comm.tls.client.cert, "
+                "distributed.comm.tls.client.key)."
+            ) from e
+        except (OSError, TimeoutError) as e:
+            if isinstance(e, _NoHandshake):
+                cause = (
+                    "something accepted the connection but did not answer as a Dask "
+                    "scheduler: a tls:// scheduler reached with tcp://, the dashboard's "
+                    "port instead of the scheduler's (8786 by default)?"
+                )
+            else:
+                cause = f"{type(e).__name__}: {e}"
+            raise ConnectionError(
+                f"Could not reach a Dask scheduler at {address!r} within {timeout_s:g} s "
+                f"({cause}). Start one with `dask scheduler` and workers "
+                f"with `dask worker {address}`, check the address and firewall"
+                + (", and that security= holds certificates the cluster trusts" if tls else "")
+                + ", or call dt.connect() without an address for an embedded cluster on this "
+                "machine."
+            ) from e
+
+    kwargs = {
+        "n_workers": n_workers if n_workers is not None else _config.get("cluster.n-workers"),
+        "threads_per_worker": (
+            threads_per_worker
+            if threads_per_worker is not None
+            else _config.get("cluster.threads-per-worker")
+        ),
+        "processes": processes if processes is not None else _config.get("cluster.processes"),
+        "host": host,
+        "scheduler_port": scheduler_port,
+        # workers import dasktensor (and PyTensor, ~1 s) as they start, not on first use
+        "preload": ["dasktensor"],
+        **cluster_kwargs,
+    }
+    dashboard = (
+        dashboard_address
+        if dashboard_address is not None
+        else _config.get("cluster.dashboard-address")
+    )
+    if dashboard:
+        kwargs["dashboard_address"] = dashboard
+    else:
+        # no dashboard; the scheduler's HTTP server (health, metrics) still starts, and
+        # would otherwise take port 8787 on every interface
+        kwargs["dashboard_address"] = None
+        kwargs["scheduler_kwargs"] = {
+            **kwargs.get("scheduler_kwargs", {}),
+            "dashboard": False,
+            "dashboard_address": f"{host}:0",
+        }
+    if resources is not None:
+        kwargs["resources"] = dict(resources)
+    # a task asking for resources that no worker offers fails instead of waiting forever
+    no_workers = {
+        "distributed.scheduler.no-workers-timeout": _config.get("placement.resource-timeout")
+    }
+    with dask.config.set(no_workers):
+        if security is None:
+            # the client starts the cluster and stops it when it closes
+            return Client(
+                timeout=timeout_s, set_as_default=set_as_default, protocol="tcp://", **kwargs
+            )
+        from distributed import LocalCluster
+
+        cluster = LocalCluster(security=security, protocol="tls://", **kwargs)
+        # client.shutdown() stops this cluster with the client
+        return Client(cluster, security=security, timeout=timeout_s, set_as_default=set_as_default)
+
