@@ -120,7 +120,7 @@ class Placement:
                     "resources= expected a dict of resource names to positive amounts, "
                     f"such as {{'GPU': 1}}, got {r!r}"
                 )
-            set_(self, "resources", dict(r) or None)
+            set_(self, "resources", dict(sorted(r.items())) or None)
         if self.retries is not None:
             if not isinstance(self.retries, Integral) or self.retries < 0:
                 raise TypeError(f"retries= expected an integer >= 0, got {self.retries!r}")

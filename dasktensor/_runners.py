@@ -82,6 +82,16 @@ def _aligned(value):
     return value
 
 
+def _as_numpy(value):
+    """An output of another backend (a JAX or PyTorch array) as a writeable NumPy array.
+
+    The stages after it are compiled by the line's own backend, which takes NumPy arrays
+    only, and may overwrite its inputs in place.
+    """
+    arr = np.asarray(value)
+    return arr if arr.flags.writeable else arr.copy()
+
+
 def _fresh(value):
     """A private copy of a value that a task will overwrite in place."""
     if hasattr(value, "copy"):
@@ -206,7 +216,10 @@ class TaskRunner:
             out = fn(*values)
         finally:
             self._release(fn)
-        return tuple(out) if isinstance(out, list) else (out,)
+        out = tuple(out) if isinstance(out, list) else (out,)
+        if self.mode is not None:  # JAX, PyTorch...: their arrays, as NumPy arrays
+            out = tuple(_as_numpy(o) for o in out)
+        return out
 
     def __repr__(self) -> str:
         mode = "" if self.mode is None else f", mode={self.mode!r}"

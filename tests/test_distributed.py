@@ -145,7 +145,8 @@ def test_a_killed_worker_is_recomputed_elsewhere():
         killer.start()
         assert float(f(np.full(2, 2.0))) == 20.0
         killer.join()
-        assert len(client.run(os.getpid)) == 2  # the nanny restarted the worker
+        client.wait_for_workers(2, timeout=60)  # the nanny restarts the worker (~1 s)
+        assert len(client.run(os.getpid)) == 2
 
 
 def test_shared_weights_stay_on_the_cluster_until_they_change(client):

@@ -100,3 +100,81 @@ def test_bad_annotations_are_refused_with_the_expected_form(kwargs, message):
 def test_names_must_be_key_friendly():
     with pytest.raises(ValueError, match="letters and dashes"):
         dt.annotate(name="gpu_0")
+
+
+# ----------------------------------------------------------------------------- Placement
+
+
+def test_placement_converts_to_submit_keywords_and_layer_annotations():
+    p = dt.Placement(
+        resources={"GPU": 1}, retries=2, priority=5, workers="tcp://a:1", allow_other_workers=True
+    )
+    assert p.submit_kwargs() == {
+        "resources": {"GPU": 1},
+        "retries": 2,
+        "priority": 5,
+        "workers": ["tcp://a:1"],
+        "allow_other_workers": True,
+    }
+    assert p.annotations() == {
+        "resources": {"GPU": 1},
+        "retries": 2,
+        "priority": 5,
+        "workers": ["tcp://a:1"],
+        "allow_other_workers": True,
+    }
+    # nothing set: Dask's defaults, and no annotations at all
+    empty = dt.Placement()
+    assert empty.submit_kwargs() == {
+        "resources": None,
+        "retries": None,
+        "priority": 0,
+        "workers": None,
+        "allow_other_workers": False,
+    }
+    assert empty.annotations() == {} and not empty
+    # the compiling mode is not a Dask annotation
+    assert dt.Placement(mode="JAX").annotations() == {}
+    assert dt.Placement(mode="JAX")
+
+
+def test_placements_are_values():
+    a = dt.Placement(resources={"GPU": 1, "MEM": 2}, workers=["w1", "w2"])
+    b = dt.Placement(resources={"MEM": 2, "GPU": 1}, workers=("w1", "w2"))
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != dt.Placement(resources={"GPU": 1})
+    assert repr(dt.Placement(retries=1, mode="JAX")) == "Placement(retries=1, mode='JAX')"
+    with pytest.raises(AttributeError):
+        a.retries = 3  # frozen
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"resources": {"GPU": 0}}, TypeError, r"X\(resources=\.\.\.\) expected a dict"),
+        ({"retries": True + 0.5}, TypeError, r"X\(retries=\.\.\.\) expected an integer >= 0"),
+        ({"priority": 1.0}, TypeError, r"X\(priority=\.\.\.\) expected an integer, got 1.0"),
+        ({"workers": [1, 2]}, TypeError, r"X\(workers=\.\.\.\) expected a worker address"),
+        ({"workers": []}, TypeError, r"X\(workers=\.\.\.\) expected a worker address"),
+        ({"allow_other_workers": 1}, TypeError, r"expected True or False, got 1"),
+        ({"allow_other_workers": True}, ValueError, r"expected workers= too"),
+        ({"mode": "FAST"}, ValueError, r"X\(mode=\.\.\.\) expected a PyTensor mode.*'FAST'"),
+    ],
+)
+def test_placement_errors_name_the_owner_the_option_and_what_was_given(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        dt.Placement.of("X", **kwargs)
+
+
+def test_annotate_passes_every_placement_option_to_the_task():
+    x = pt.vector("x")
+    with dt.annotate(
+        workers=["tcp://127.0.0.1:1"], allow_other_workers=True, priority=2, name="pinned"
+    ):
+        y = pt.exp(x)
+    f = dt.function([x], y.sum(), scheduler="sync")
+    (task,) = [t for t in f.plan.tasks if t.kind == "heavy"]
+    assert task.placement == dt.Placement(
+        workers=("tcp://127.0.0.1:1",), allow_other_workers=True, priority=2
+    )
+    np.testing.assert_allclose(f(np.zeros(3)), 3.0)

@@ -1,0 +1,115 @@
+"""Blocks compiled by the backend their worker needs: ``dt.annotate(mode="JAX")``.
+
+JAX runs on the CPU here; the same placement with ``resources={"GPU": 1}`` puts the block
+on a GPU worker, compiled there for its device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+import dasktensor as dt
+
+jax = pytest.importorskip("jax", reason="the JAX backend needs jax (in the test extra)")
+from pytensor.link.jax.linker import JAXLinker  # noqa: E402
+
+RNG = np.random.default_rng(3)
+W = RNG.normal(size=(4, 3))
+
+
+def surrogate_model(mode="JAX", **placement):
+    """A loss whose middle block (a small network) is compiled by ``mode``, and its grad."""
+    x = pt.dmatrix("x")
+    h = pt.exp(x) * 0.5  # a cheap stage before the block
+    with dt.annotate(mode=mode, name="surrogate", **placement):
+        y = pt.tanh(h @ W)
+    loss = (y**2).sum() + pt.sin(x).sum()
+    return x, [loss, pytensor.grad(loss, x)]
+
+
+def runner_of(f, name):
+    executor = f.maker.linker.executor
+    (task,) = [t for t in f.plan.tasks if t.name == name]
+    return executor.graph.runners[task.index]
+
+
+def test_a_jax_block_and_its_gradient_equal_the_default_mode_and_really_use_jax():
+    x, outs = surrogate_model()
+    f = dt.function([x], outs, scheduler="sync")
+    placed = {t.name: t.placement.mode for t in f.plan.tasks if t.kind == "heavy"}
+    assert placed == {"surrogate": "JAX", "surrogate-grad": "JAX"}
+    xv = RNG.normal(size=(5, 4))
+    ref = pytensor.function([x], outs)
+    for got, want in zip(f(xv), ref(xv)):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    for name in ("surrogate", "surrogate-grad"):
+        (compiled,) = runner_of(f, name).compiled_functions
+        assert isinstance(compiled.maker.linker, JAXLinker), name
+    # stages outside the block keep the line's own backend
+    stage = next(t for t in f.plan.tasks if t.kind == "stage")
+    (compiled,) = f.maker.linker.executor.graph.runners[stage.index].compiled_functions
+    assert not isinstance(compiled.maker.linker, JAXLinker)
+
+
+def test_a_mode_object_works_as_a_name_does():
+    from pytensor.compile.mode import get_mode
+
+    x, outs = surrogate_model(mode=get_mode("JAX"))
+    f = dt.function([x], outs, scheduler="sync")
+    xv = RNG.normal(size=(2, 4))
+    np.testing.assert_allclose(f(xv)[0], pytensor.function([x], outs[0])(xv), rtol=1e-12)
+    (compiled,) = runner_of(f, "surrogate").compiled_functions
+    assert isinstance(compiled.maker.linker, JAXLinker)
+
+
+@pytest.mark.parametrize("mode", ["JAXX", "DASK", 3])
+def test_a_mode_pytensor_does_not_know_fails_at_annotate_listing_the_known_ones(mode):
+    with pytest.raises(ValueError, match=r"annotate\(mode=\.\.\.\).*JAX.*NUMBA") as info:
+        dt.annotate(mode=mode)
+    assert repr(mode) in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster():
+    """Two worker processes: one offers {"GPU": 1} (JAX runs on its CPU here)."""
+    worker = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1"}}
+    gpu = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "resources": {"GPU": 1}}}
+    cluster = SpecCluster(
+        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}},
+        workers={"cpu": worker, "gpu": gpu},
+    )
+    yield cluster
+    cluster.close()
+
+
+def _jax_runners_here() -> list[str]:
+    """On a worker: names of the runners it restored that compiled with JAX."""
+    from dasktensor._runners import _restored
+
+    return sorted(
+        r.name
+        for r in _restored.values()
+        if any(type(fn.maker.linker).__name__ == "JAXLinker" for fn in r.compiled_functions)
+    )
+
+
+def test_the_gpu_stage_compiles_with_jax_on_the_gpu_worker_only(gpu_cluster):
+    x, outs = surrogate_model(resources={"GPU": 1})
+    with Client(gpu_cluster, set_as_default=False) as client:
+        client.wait_for_workers(2)
+        f = dt.function([x], outs, scheduler=client)
+        xv = RNG.normal(size=(5, 4))
+        ref = pytensor.function([x], outs)
+        for _ in range(2):
+            for got, want in zip(f(xv), ref(xv)):
+                np.testing.assert_allclose(got, want, rtol=1e-12)
+        (gpu,) = [
+            a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["resources"]
+        ]
+        compiled = client.run(_jax_runners_here)
+    assert compiled.pop(gpu) == ["surrogate", "surrogate-grad"]
+    assert list(compiled.values()) == [[]]  # the CPU worker compiled nothing with JAX
