@@ -13,9 +13,10 @@ and its gradient (the way a sampler calls it).  Target: dasktensor's latency <= 
 pytensor-federated's.  Also timed: dasktensor's first call (from a new ``RemoteModel`` to
 its first result: building the replica, opening the connection; target <= 0.3 s), and the
 same with the client's connection to the scheduler included.  The cluster's worker starts
-the way ``dt.connect()`` starts them (importing dasktensor as it starts); the first call
-on a worker that has never imported dasktensor (PyTensor's import, ~1 s on the 2.38 line,
-comes on top) is timed too.
+the way ``dt.connect()`` starts them (importing dasktensor as it starts).  Also timed: the
+first call on a bare worker that has never imported dasktensor, with a model that needs
+NumPy only (:class:`BareNormal`); the worker imports ``dasktensor_worker`` for it, not
+dasktensor nor PyTensor (~1 s on the 2.38 line), which the summary checks.
 
 Needs ``pip install -e ".[benchmarks]"`` (pytensor-federated).
 Run: ``python benchmarks/bench_p1_latency.py``
@@ -45,6 +46,18 @@ NAME = "p1-latency"
 DIM = 10
 
 
+class BareNormal:
+    """``_ops.Normal`` without its module: ``_ops`` imports PyTensor, this module does not,
+    so a bare worker unpickling this model imports no PyTensor either."""
+
+    def logp_grad(self, x):
+        return -0.5 * float(x @ x), -x
+
+
+def _imported_pytensor() -> bool:
+    return "pytensor" in sys.modules
+
+
 def main(repeat: int = 15, number: int = 200) -> list[Row]:
     quiet()
     import numpy as np
@@ -61,8 +74,9 @@ def main(repeat: int = 15, number: int = 200) -> list[Row]:
     xs = pt.dvector("x")
     with local_cluster(n_workers=1) as client:  # a worker that never imported dasktensor
         t0 = time.perf_counter()
-        dt.RemoteModel(Normal, name="normal", scheduler=client).call("logp_grad", x)
+        dt.RemoteModel(BareNormal, name="normal", scheduler=client).call("logp_grad", x)
         first_cold = time.perf_counter() - t0
+        cold_pytensor = any(client.run(_imported_pytensor).values())
     with (
         local_cluster(n_workers=1, preload=["dasktensor"]) as client,
         federated_client(DIM) as (fed, fed_first, ver),
@@ -128,6 +142,7 @@ def main(repeat: int = 15, number: int = 200) -> list[Row]:
         Row(NAME, "dasktensor first call", first, 0.3, unit="s"),
         Row(NAME, "dasktensor connect + first call", first_connect, 0.3, unit="s"),
         Row(NAME, "dasktensor first call, cold worker", first_cold, unit="s"),
+        Row(NAME, "cold worker imported PyTensor (1: yes)", int(cold_pytensor), 0),
         Row(NAME, "federated connect + first call", fed_first, unit="s"),
         load_row(NAME),
     ]

@@ -13,8 +13,8 @@ returns the gradient.  Timed, in interleaved rounds:
 * what Dask itself costs for the same work: 4 ``client.submit(sleep 50 ms)`` + ``gather``.
 
 Target: wall / 50 ms <= 1.1 for the default mode (and the DASK mode).  Also the first
-call: four new models made at once (``call_many``, what the merged node does), their
-replicas built and connections opened; compilation excluded.
+call: four new models made at once (``RemoteMethod.call_together``, what the merged node
+does), their replicas built and connections opened; compilation excluded.
 
 Run: ``python benchmarks/bench_p2_remote_calls.py``
 """
@@ -66,7 +66,7 @@ def main(repeat: int = 21, warmup: int = 2) -> list[Row]:
 
     import dasktensor as dt
     from dasktensor._demo import serial_mode
-    from dasktensor._remote import call_many
+    from dasktensor.remote import RemoteMethod
 
     print(f"[{NAME}] {versions_line()}")
     xv = np.linspace(-1.0, 1.0, 10)
@@ -78,7 +78,9 @@ def main(repeat: int = 21, warmup: int = 2) -> list[Row]:
         x, outs = build(models)
         # the first call: the four models' replicas built, connections opened
         t0 = time.perf_counter()
-        call_many([(m.logp_grad_op("logp_grad", [pt.dvector]).fn, (xv,)) for m in models])
+        RemoteMethod.call_together(
+            [(m.logp_grad_op("logp_grad", [pt.dvector]).fn, (xv,)) for m in models]
+        )
         first = time.perf_counter() - t0
         f_default = pytensor.function([x], outs)
         want = f_default(xv)

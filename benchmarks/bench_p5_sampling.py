@@ -42,7 +42,9 @@ def site_a_calls(client, remote_site, op) -> int:
         return site.calls
 
     def calls(key, dask_worker=None):
-        host = getattr(dask_worker, "_dasktensor_models", None)
+        from dasktensor_worker.plugin import host_of
+
+        host = host_of(dask_worker)
         return host.replicas[key].model.calls if host and key in host.replicas else 0
 
     return sum(client.run(calls, remote_site.key).values())
@@ -54,13 +56,14 @@ def calls_only(sites, local_ops) -> dict[str, float]:
     from _common import compare
 
     from dasktensor import _demo
-    from dasktensor._remote import call_many
+    from dasktensor.remote import RemoteMethod
 
     q = np.array([1.5, -0.2])
     remote = [op.fn for op in _demo.site_ops(sites)]
     return compare(
         {
-            "remote": lambda: call_many([(r, (q,)) for r in remote]),
+            # what the merged node of the sampler's function does
+            "remote": lambda: RemoteMethod.call_together([(r, (q,)) for r in remote]),
             "serial": lambda: [op.fn(q) for op in local_ops],
         },
         repeat=15,

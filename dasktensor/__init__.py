@@ -10,14 +10,14 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from dasktensor import _config  # noqa: F401  (loads dasktensor.yaml into dask.config)
+from dasktensor._annotate import Placed as Placed
+from dasktensor._annotate import annotate as annotate
 from dasktensor._callable_ops import ArraysToArraysOp as ArraysToArraysOp
 from dasktensor._callable_ops import LogpGradOp as LogpGradOp
 from dasktensor._callable_ops import LogpOp as LogpOp
 from dasktensor._callable_ops import arrays_to_arrays_op as arrays_to_arrays_op
 from dasktensor._callable_ops import logp_grad_op as logp_grad_op
 from dasktensor._callable_ops import logp_op as logp_op
-from dasktensor._annotate import Placed as Placed
-from dasktensor._annotate import annotate as annotate
 from dasktensor._cluster import NoWorkerWithResourcesError as NoWorkerWithResourcesError
 from dasktensor._connect import connect as connect
 from dasktensor._function import DaskFunction as DaskFunction
@@ -29,14 +29,14 @@ from dasktensor._parallel_calls import ParallelCallsOp as ParallelCallsOp
 from dasktensor._placement import Placement as Placement
 from dasktensor._plan import Plan as Plan
 from dasktensor._plan import Task as Task
-from dasktensor._plan import is_heavy as is_heavy
-from dasktensor._plan import mark_heavy as mark_heavy
 from dasktensor._plan import plan_graph as plan_graph
 from dasktensor._pmap import PMapped as PMapped
 from dasktensor._pmap import pmap as pmap
 from dasktensor._predictive import sample_posterior_predictive as sample_posterior_predictive
-from dasktensor._remote import RemoteModel as RemoteModel
-from dasktensor._remote import RemoteModelError as RemoteModelError
+from dasktensor._weights import is_heavy as is_heavy
+from dasktensor._weights import mark_heavy as mark_heavy
+from dasktensor.remote import RemoteModel as RemoteModel
+from dasktensor.remote import RemoteModelError as RemoteModelError
 
 try:
     __version__ = _version("dasktensor")

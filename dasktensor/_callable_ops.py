@@ -11,6 +11,20 @@ annotations (``resources``, ``retries``, ``priority``) and an optional ``timeout
 Inputs pass through ``pt.as_tensor_variable`` (``op(2)`` works) and are checked against
 ``itypes`` when the graph is built; results are checked against the declared outputs when
 the function runs.
+
+**The protocol with the modules above this one.**  This module imports neither
+``dasktensor._parallel_calls`` nor ``dasktensor.remote``; both build on two names here:
+
+* :meth:`_CallableOp.store_result` ``(node, raw, inputs, output_storage)``: turns what the
+  function returned into the node's outputs (converted, checked, stored).  Whoever makes
+  the call itself (``ParallelCallsOp``, for calls it sends together) hands the raw result
+  to it.
+* :class:`RemoteCallTarget`: the base class of a *function* that reaches its model
+  elsewhere (a ``RemoteModel`` method).  A callable Op with such a function has
+  ``dasktensor_remote = True`` (the planner gives it the role ``remote``: made from the
+  caller, not as a cluster task), and :attr:`_CallableOp.batch_target` offers the target
+  to ``ParallelCallsOp``, which makes the calls of one kind of target at once with
+  :meth:`RemoteCallTarget.call_together`.
 """
 
 from __future__ import annotations
@@ -40,6 +54,44 @@ def _as_types(types, what: str) -> tuple[TensorType, ...]:
     return types
 
 
+class RemoteCallTarget:
+    """Base class of call targets that reach a model elsewhere (not in this process).
+
+    A callable Op whose function is a ``RemoteCallTarget`` is *remote*: its calls are made
+    from the caller (they wait on the network, not on a core), and independent ones may be
+    sent together.  Subclasses implement ``__call__(*args)`` (one call, the model's raw
+    result) and :meth:`call_together`; ``dasktensor.remote.RemoteMethod`` is one.
+
+    Examples
+    --------
+    >>> class Echo(RemoteCallTarget):
+    ...     def __call__(self, *args):
+    ...         return args
+    >>> Echo.call_together([(Echo(), (1,)), (Echo(), (2, 3))])
+    [(1,), (2, 3)]
+    """
+
+    #: read by the planner (``dasktensor._plan``) through the Op
+    dasktensor_remote = True
+
+    @property
+    def batchable(self) -> bool:
+        """Whether this target's calls may go in one :meth:`call_together` (True here)."""
+        return True
+
+    @classmethod
+    def call_together(cls, calls: Sequence[tuple[RemoteCallTarget, tuple]]) -> list:
+        """Make the calls ``[(target, args), ...]`` at once; their raw results, in order.
+
+        The default makes them one after another; subclasses send them together.  An
+        error is raised once every call is done.
+        """
+        return [target(*args) for target, args in calls]
+
+    def __call__(self, *args):  # pragma: no cover - an abstract method
+        raise NotImplementedError(f"{type(self).__name__} must implement __call__")
+
+
 class _CallableOp(Op):
     """Common machinery: input checks, annotations, output checks."""
 
@@ -60,14 +112,12 @@ class _CallableOp(Op):
     ):
         if not callable(fn):
             raise TypeError(f"{type(self).__name__} expected a callable, got {fn!r}")
-        from dasktensor._parallel_calls import ParallelCallsOp
-
-        _compat.register_python_ops_with_numba(_CallableOp, ParallelCallsOp)
+        _compat.register_python_ops_with_numba(_CallableOp)
         owner = type(self).__name__
         check_name(name, f"{owner}(name=...)")
         self.fn = fn
         #: the function reaches its model itself (a RemoteModel method): run on the caller
-        self.dasktensor_remote = bool(getattr(fn, "dasktensor_remote", False))
+        self.dasktensor_remote = isinstance(fn, RemoteCallTarget)
         self.itypes = _as_types(itypes, f"{type(self).__name__}(itypes=...)")
         self.otypes = _as_types(otypes, f"{type(self).__name__}(otypes=...)")
         self.dasktensor_name = name
@@ -137,17 +187,24 @@ class _CallableOp(Op):
         """The tuple of outputs from what ``fn`` returned."""
         return (out,)
 
-    def _results(self, inputs) -> tuple:
-        return self._convert(self.fn(*inputs))
+    @property
+    def batch_target(self) -> RemoteCallTarget | None:
+        """The function, if its calls may be sent together with others (see
+        :class:`RemoteCallTarget`); None for local functions and for Ops with a timeout."""
+        fn = self.fn
+        if isinstance(fn, RemoteCallTarget) and fn.batchable and self.timeout is None:
+            return fn
+        return None
 
-    def _call(self, inputs) -> tuple:
+    def _call(self, inputs):
+        """``fn(*inputs)``, within ``timeout``: the raw result."""
         if self.timeout is None:
-            return self._results(inputs)
+            return self.fn(*inputs)
         box: dict = {}
 
         def target():
             try:
-                box["value"] = self._results(inputs)
+                box["value"] = self.fn(*inputs)
             except BaseException as e:  # handed to the caller below
                 box["error"] = e
 
@@ -165,10 +222,17 @@ class _CallableOp(Op):
         return box["value"]
 
     def perform(self, node, inputs, output_storage):
-        self._store(node, self._call(inputs), inputs, output_storage)
+        self.store_result(node, self._call(inputs), inputs, output_storage)
 
-    def _store(self, node, results: tuple, inputs, output_storage) -> None:
-        """Check ``fn``'s results against the node's outputs and put them in storage."""
+    def store_result(self, node, raw, inputs, output_storage) -> None:
+        """Put what ``fn(*inputs)`` returned (``raw``) in the node's output storage.
+
+        Converts ``raw`` to the Op's outputs (``(logp, *grads)`` for a ``LogpGradOp``...),
+        checks their number, dtypes and shapes against ``node.outputs``, and copies an
+        array that is read-only or shares memory with an input.  ``node`` needs only
+        ``inputs`` and ``outputs`` (a member's view of a merged node will do).
+        """
+        results = self._convert(raw)
         if len(results) != len(node.outputs):
             raise ValueError(
                 f"{self}: {getattr(self.fn, '__name__', 'fn')} returned {len(results)} "

@@ -45,33 +45,34 @@ def inline_op_from_graph(node) -> list:
     return [equiv[o] for o in op.inner_outputs]
 
 
-_numba_registered = False
+_numba_registered: set[type] = set()
 
 
-def register_python_ops_with_numba(*op_types) -> None:
-    """Run dasktensor's Python Ops in Numba's object mode without a warning (PyTensor 3).
+def register_python_ops_with_numba(*op_types: type) -> None:
+    """Run these Python Ops in Numba's object mode without a warning (PyTensor 3).
 
     The Numba backend has no implementation of a Python Op and falls back to object mode
     with a UserWarning, meant for Ops that would be faster in Numba.  dasktensor's callable
-    Ops call Python functions by design, so the same fallback is registered for them
-    without the warning.  Done once, when the first such Op is made (importing the Numba
-    dispatch imports Numba).
+    Ops and ``ParallelCallsOp`` call Python functions by design, so the same fallback is
+    registered for them without the warning.  Each module registers its own Op class,
+    when the first such Op is made (importing the Numba dispatch imports Numba); a class
+    registered already is skipped, so calling this for every new Op costs a set look-up.
     """
-    global _numba_registered
-    if _numba_registered or not PYTENSOR_3:
+    if not PYTENSOR_3:
         return
-    _numba_registered = True
+    new = [t for t in op_types if t not in _numba_registered]
+    if not new:
+        return
     import warnings
 
-    try:
-        from pytensor.link.numba.dispatch.basic import generate_fallback_impl, numba_funcify
-    except ImportError:  # pragma: no cover - Numba not installed
-        return
+    # Numba is a dependency of PyTensor 3
+    from pytensor.link.numba.dispatch.basic import generate_fallback_impl, numba_funcify
 
     def object_mode(op, node=None, storage_map=None, **kwargs):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Numba will use object mode")
             return generate_fallback_impl(op, node, storage_map, **kwargs)
 
-    for op_type in op_types:
+    for op_type in new:
         numba_funcify.register(op_type)(object_mode)
+        _numba_registered.add(op_type)

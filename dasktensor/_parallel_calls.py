@@ -13,6 +13,13 @@ makes them all at once through the remote-call channel.
 Calls are grouped by *level*: a call's level is one more than the highest level among the
 calls it depends on.  Calls of one level never depend on each other, so merging them cannot
 create a cycle.
+
+``ParallelCallsOp`` knows the callable Ops through their protocol only (named in
+``dasktensor._callable_ops``): a member whose ``batch_target`` is set is sent together
+with the other members of that target's class, from the calling thread, by the class's
+``RemoteCallTarget.call_together`` (for remote models: one ``asyncio.gather`` on the
+remote-call channel, one wait, no thread per call), and its raw result goes to the
+member's ``store_result``; every other member runs its own ``perform`` on the thread pool.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pytensor.graph.features import ReplaceValidate
 from pytensor.graph.op import Op
 from pytensor.graph.rewriting.basic import GraphRewriter
 
+from dasktensor import _compat
 from dasktensor._callable_ops import _CallableOp
 
 _pool: ThreadPoolExecutor | None = None
@@ -63,6 +71,7 @@ class ParallelCallsOp(Op):
     dasktensor_name = "remote-calls"
 
     def __init__(self, ops):
+        _compat.register_python_ops_with_numba(ParallelCallsOp)
         self.ops = tuple(ops)
         self.dasktensor_remote = all(op.dasktensor_remote for op in self.ops)
 
@@ -70,10 +79,8 @@ class ParallelCallsOp(Op):
         raise NotImplementedError("ParallelCallsOp nodes are built by the rewrite only")
 
     def perform(self, node, inputs, output_storage):
-        from dasktensor._remote import call_many
-
         pool = _get_pool()
-        jobs, remote, i, o = [], [], 0, 0
+        jobs, batches, i, o = [], {}, 0, 0
         for op in self.ops:
             n_in, n_out = len(op.itypes), len(op.otypes)
             # the member's view of the node: its own inputs and outputs
@@ -81,17 +88,18 @@ class ParallelCallsOp(Op):
                 inputs=node.inputs[i : i + n_in], outputs=node.outputs[o : o + n_out]
             )
             member = (op, sub, inputs[i : i + n_in], output_storage[o : o + n_out])
-            if op.dasktensor_remote and op.fn.model.timeout is None:
-                remote.append(member)  # sent together below, from this thread
+            target = op.batch_target
+            if target is not None:  # sent together below, from this thread
+                batches.setdefault(type(target), []).append((target, member))
             else:
                 jobs.append(pool.submit(op.perform, *member[1:]))
             i, o = i + n_in, o + n_out
         errors = []
-        if remote:
+        for kind, members in batches.items():
             try:
-                raw = call_many([(op.fn, args) for op, _, args, _ in remote])
-                for (op, sub, args, storage), out in zip(remote, raw):
-                    op._store(sub, op._convert(out), args, storage)
+                raw = kind.call_together([(target, m[2]) for target, m in members])
+                for (_, (op, sub, args, storage)), out in zip(members, raw):
+                    op.store_result(sub, out, args, storage)
             except Exception as e:  # raised once the other calls are done too
                 errors.append(e)
         errors = [job.exception() for job in jobs] + errors

@@ -10,6 +10,7 @@ import pytest
 from _ops import failing_logp, make_rendezvous
 
 import dasktensor as dt
+from dasktensor import _callable_ops as dt_callable_ops
 
 
 def parallel_nodes(f):
@@ -91,3 +92,42 @@ def test_the_default_mode_runs_callable_ops_without_warnings():
         warnings.simplefilter("error")  # on PyTensor 3: no "Numba will use object mode"
         f = pytensor.function([x], op(x) + op(2 * x))
         assert float(f(np.ones(2))) == 6.0
+
+
+class Recorded(dt_callable_ops.RemoteCallTarget):
+    """A remote-like target that records how its calls were made."""
+
+    batches: list = []
+
+    def __init__(self, scale: float, batchable: bool = True):
+        self.scale = scale
+        self._batchable = batchable
+
+    @property
+    def batchable(self) -> bool:
+        return self._batchable
+
+    def __call__(self, x):
+        Recorded.batches.append(1)
+        return -0.5 * self.scale * float(x @ x), -self.scale * x
+
+    @classmethod
+    def call_together(cls, calls):
+        cls.batches.append(len(calls))
+        return [(-0.5 * t.scale * float(x @ x), -t.scale * x) for t, (x,) in calls]
+
+
+@pytest.mark.parametrize("batchable, batches", [(True, [2]), (False, [1, 1])])
+def test_merged_calls_use_the_remote_call_target_protocol(batchable, batches):
+    """Batchable targets go to their class's call_together, results to store_result."""
+    Recorded.batches = []
+    a, b = (dt.LogpGradOp(Recorded(k, batchable), [pt.dvector]) for k in (1.0, 2.0))
+    assert a.dasktensor_remote and (a.batch_target is not None) == batchable
+    x = pt.dvector("x")
+    logp = a(x)[0] + b(x)[0]
+    f = pytensor.function([x], [logp, pytensor.grad(logp, x)])
+    assert len(parallel_nodes(f)) == 1
+    lp, g = f(np.ones(2))
+    assert float(lp) == pytest.approx(-0.5 * 2 - 0.5 * 2 * 2)
+    np.testing.assert_allclose(g, -3 * np.ones(2))
+    assert Recorded.batches == batches

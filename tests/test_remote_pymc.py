@@ -39,7 +39,9 @@ def calls_on_workers(client, models) -> dict[str, int]:
     """How many times each worker's replicas were called."""
 
     def count(keys, dask_worker=None):
-        host = getattr(dask_worker, "_dasktensor_models", None)
+        from dasktensor_worker.plugin import host_of
+
+        host = host_of(dask_worker)
         return sum(host.replicas[k].model.calls for k in keys if k in host.replicas)
 
     return client.run(count, [m.key for m in models])

@@ -1,0 +1,39 @@
+"""Remote models: an object built once per worker and called over Dask's comm layer.
+
+``RemoteModel(factory)`` keeps a model (a simulator, a solver, a network on a GPU) alive on
+the workers of a Dask cluster and turns its methods into Ops.  Dask places the model, and
+the calls then go straight to the workers that hold it, about a millisecond each instead
+of the ~13 ms of a task's round trip through the scheduler.
+
+The caller's side, by concern (each module's docstring argues its part):
+
+* :mod:`~dasktensor.remote._model`: :class:`RemoteModel`, the public front (options
+  checked once into a :class:`~dasktensor.remote._spec.ModelSpec`, Ops made, calls
+  delegated);
+* :mod:`~dasktensor.remote._replicas`: the replica set, found or built with Dask tasks
+  that honour the model's ``resources``, refreshed in the background, dropped on failure;
+* :mod:`~dasktensor.remote._policy`: the pure choice of a replica for each call (spreads
+  load over replicas without coordination between callers);
+* :mod:`~dasktensor.remote._channel`: this process's event-loop thread and connection
+  pools (reset after ``fork``);
+* :mod:`~dasktensor.remote._calls`: one call's request, reply, retries and failover, and
+  :func:`~dasktensor.remote._calls.call_many` for calls sent together;
+* :mod:`~dasktensor.remote._target`: :class:`RemoteMethod`, a model's method as the
+  function of a callable Op (a ``dasktensor._callable_ops.RemoteCallTarget``).
+
+The worker's side (the plugin holding replicas, the call handler, the build task, the
+message codec) is the top-level package ``dasktensor_worker``, which imports neither
+dasktensor nor PyTensor: a bare ``dask worker`` serves models without that import.
+
+Nothing here holds a live Client, Future or loop across pickling: a ``RemoteModel``
+pickles as its factory, its options and its identity (``key``), so that its Ops can go
+into ``pm.sample(cores=2)`` (fork or spawn) and reach the same replicas from there.
+"""
+
+from __future__ import annotations
+
+from dasktensor.remote._model import RemoteModel
+from dasktensor.remote._spec import RemoteModelError
+from dasktensor.remote._target import RemoteMethod
+
+__all__ = ["RemoteMethod", "RemoteModel", "RemoteModelError"]

@@ -1,0 +1,216 @@
+"""The caller's view of a model's replicas: found or built through Dask, refreshed, dropped.
+
+* **Placement is Dask's.**  A replica is built by an ordinary task (``build-<name>`` on
+  the dashboard, body ``dasktensor_worker.tasks.build_replica``) that carries the model's
+  ``resources``, so only workers offering them build one: on each eligible worker
+  (``replicas=None``) or on ``replicas`` of them, starting at a worker that depends on the
+  model's key, so that models spread over the workers.  ``factory()`` runs once per worker
+  (the worker's ``ModelHost`` builds each key once).
+* **Discovery asks the workers** (``client.run(holds, key)``), so another process (a
+  sampler child, an unpickled copy) finds the replicas this one built.
+* **Dropping.**  A replica whose worker failed, or that answered that it no longer holds
+  the model, is dropped from the list (and its pooled connections closed); with none
+  left, the next call finds or builds replicas again where Dask has workers.
+* **Refreshing.**  Every ``dasktensor.remote.refresh-interval`` of use the list is matched
+  to the cluster again, in a background thread, so new or restarted workers get replicas.
+* **Choosing.**  :meth:`ReplicaSet.pick` applies the pure policy of
+  ``dasktensor.remote._policy`` to this process's state: the model's home (from numbers
+  the scheduler hands out) and the calls in flight per worker, over all models.
+
+Everything here is per process and keyed by the model's key (module globals, reset after
+``fork``), never stored on the ``RemoteModel``: the model pickles without it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+import uuid
+
+from dasktensor import _config
+from dasktensor._cluster import check_resources, offers, scheduler_workers, submit
+from dasktensor._placement import Placement
+from dasktensor.remote._channel import get_channel
+from dasktensor.remote._policy import choose_replica, home_replica
+from dasktensor.remote._spec import ModelSpec, RemoteModelError
+from dasktensor_worker import tasks
+
+
+class ReplicaSet:
+    """What this process knows of one model's replicas, and how it keeps that current."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        self.lock = threading.Lock()
+        self.addresses: list[str] = []  # sorted: the same order in every process
+        self.number = 0  # the model's number on the cluster (see _number)
+        self.pool = None  # the channel's connection pool for this cluster
+        self.checked = 0.0  # time.monotonic() of the last look at the cluster
+        self.refreshing = False
+
+    def pick(self) -> str:
+        """The worker the next call goes to, counted as busy until :func:`done`."""
+        with self.lock:
+            if not self.addresses:
+                self._ensure()
+            elif time.monotonic() - self.checked > _config.seconds("remote.refresh-interval"):
+                self._refresh_in_background()
+            addresses = self.addresses
+            home = home_replica(self.number, _process_number, len(addresses))
+        with _inflight_lock:
+            address = addresses[choose_replica(addresses, home, _inflight)]
+            _inflight[address] = _inflight.get(address, 0) + 1
+        return address
+
+    def start(self) -> list[str]:
+        """Find or build the replicas now; their workers."""
+        with self.lock:
+            self._ensure()
+            return list(self.addresses)
+
+    def drop(self, address: str) -> None:
+        """Forget the replica at ``address`` (its worker failed, or no longer holds it)."""
+        with self.lock:  # a new list: other threads may be reading the old one
+            self.addresses = [a for a in self.addresses if a != address]
+        get_channel().forget(address)
+
+    def _ensure(self) -> None:
+        """Find or build the replicas (called with ``self.lock`` held)."""
+        global _process_number
+        client = self.spec.client()
+        self.addresses = self._find_or_build(client)
+        self.checked = time.monotonic()
+        self.pool = get_channel().pool(getattr(client, "security", None))
+        if _process_number is None:
+            _process_number = _number(client, "process", None)
+        self.number = _number(client, "model", self.spec.key)
+
+    def _refresh_in_background(self) -> None:
+        if self.refreshing:
+            return
+        self.refreshing = True
+        self.checked = time.monotonic()
+
+        def refresh():
+            try:
+                found = self._find_or_build(self.spec.client())
+                with self.lock:
+                    self.addresses = found
+            except Exception:  # the next call's own failure reports the problem
+                pass
+            finally:
+                self.refreshing = False
+
+        threading.Thread(target=refresh, name="dasktensor-refresh", daemon=True).start()
+
+    def _find_or_build(self, client) -> list[str]:
+        spec = self.spec
+        if spec.resources:
+            check_resources(client, [Placement(resources=spec.resources)])
+        workers = scheduler_workers(client)
+        eligible = [a for a, w in workers.items() if offers(w.get("resources"), spec.resources)]
+        if not eligible:  # pragma: no cover - check_resources waits for such workers
+            raise RemoteModelError(
+                f"{spec!r}: expected workers to build the model on, the cluster at "
+                f"{client.scheduler.address} has none; start some (`dask worker ADDRESS`)"
+            )
+        held = client.run(tasks.holds, spec.key, workers=eligible, on_error="return")
+        holders = [a for a in eligible if held.get(a) is True]
+        wanted = len(eligible) if spec.replicas is None else min(spec.replicas, len(eligible))
+        if len(holders) < wanted:
+            # start at a worker that depends on the model, so models spread over workers
+            free = [a for a in eligible if a not in holders]
+            start = int(spec.key.rsplit("-", 1)[1], 16) % len(free)
+            targets = (free[start:] + free[:start])[: wanted - len(holders)]
+            inline_below = _config.seconds("remote.inline-below")
+            futures = [
+                submit(
+                    client,
+                    tasks.build_replica,
+                    spec.key,
+                    spec.name,
+                    spec.factory,
+                    spec.concurrency,
+                    inline_below,
+                    key=f"build-{spec.name}-{uuid.uuid4().hex}",
+                    placement=Placement(
+                        resources=spec.resources or None, workers=[a], allow_other_workers=True
+                    ),
+                )
+                for a in targets
+            ]
+            for address in client.gather(futures):  # a factory's error is raised here
+                if address not in holders:
+                    holders.append(address)
+        return sorted(holders)
+
+
+def replica_set(spec: ModelSpec) -> ReplicaSet:
+    """This process's :class:`ReplicaSet` of the model (created on first use)."""
+    with _sets_lock:
+        found = _sets.get(spec.key)
+        if found is None:
+            found = _sets[spec.key] = ReplicaSet(spec)
+        return found
+
+
+def done(address: str) -> None:
+    """A call to ``address`` picked by :meth:`ReplicaSet.pick` has ended (in any way)."""
+    with _inflight_lock:
+        _inflight[address] = _inflight.get(address, 1) - 1
+
+
+# -- the cluster's view (asks the workers) --------------------------------------------------
+
+
+def holders(spec: ModelSpec) -> list[str]:
+    """Addresses of the workers that hold a replica now."""
+    held = spec.client().run(tasks.holds, spec.key, on_error="return")
+    return sorted(a for a, h in held.items() if h is True)
+
+
+def build_counts(spec: ModelSpec) -> dict[str, int]:
+    """How many times ``factory()`` ran on each worker that ever built the model."""
+    counts = spec.client().run(tasks.build_count, spec.key, on_error="return")
+    return {a: n for a, n in counts.items() if isinstance(n, int) and n}
+
+
+def release(spec: ModelSpec) -> None:
+    """Drop the model's replicas from the workers, and this process's state of them."""
+    spec.client().run(tasks.release, spec.key)
+    with _sets_lock:
+        _sets.pop(spec.key, None)
+
+
+def _number(client, kind: str, key: str | None) -> int:
+    """A number from the scheduler, distinct per process (or per model key) on the cluster
+    (see ``dasktensor.remote._policy``)."""
+    try:
+        return client.run_on_scheduler(tasks.next_number, kind, key)
+    except Exception:  # a scheduler that cannot import dasktensor_worker: spread at random
+        return random.randrange(1 << 30) if key is None else hash(key)
+
+
+# -- per-process state ----------------------------------------------------------------------
+
+_sets: dict[str, ReplicaSet] = {}
+_sets_lock = threading.Lock()
+# calls this process has in flight per worker, over all models: independent calls of
+# different models go to different workers too
+_inflight: dict[str, int] = {}
+_inflight_lock = threading.Lock()
+_process_number: int | None = None
+
+
+def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
+    global _sets_lock, _inflight_lock, _process_number
+    _process_number = None
+    _sets.clear()
+    _sets_lock = threading.Lock()
+    _inflight.clear()
+    _inflight_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)

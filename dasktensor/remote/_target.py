@@ -1,0 +1,67 @@
+"""``RemoteMethod``: a remote model's method as the function of a callable Op.
+
+``model.logp_grad_op("logp_grad", itypes)`` makes a ``LogpGradOp`` whose function is
+``RemoteMethod(spec, "logp_grad")``.  Being a ``RemoteCallTarget`` (the protocol of
+``dasktensor._callable_ops``) makes the Op *remote*: the planner gives it the role
+``remote`` (made from the caller), and ``ParallelCallsOp`` sends independent calls
+together through :meth:`RemoteMethod.call_together`.
+
+A ``RemoteMethod`` compares and hashes by model key and method, so that Ops of the same
+method merge and compare equal, also across pickling; it pickles as the model's spec and
+the method name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dasktensor._callable_ops import RemoteCallTarget
+from dasktensor.remote._calls import call, call_many
+from dasktensor.remote._spec import ModelSpec
+
+
+class RemoteMethod(RemoteCallTarget):
+    """``model.<method>`` of a remote model, called on one of its replicas.
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> import dasktensor as dt
+    >>> op = dt.RemoteModel(dict, name="table").arrays_to_arrays_op(
+    ...     "lookup", [pt.dvector], [pt.dvector]
+    ... )
+    >>> op.fn, op.fn.batchable, op.dasktensor_remote
+    (table.lookup, True, True)
+    """
+
+    def __init__(self, spec: ModelSpec, method: str):
+        self.spec = spec
+        self.method = method
+        self.__name__ = method
+
+    def __call__(self, *args):
+        return call(self.spec, self.method, args)
+
+    @property
+    def batchable(self) -> bool:
+        """Calls of models with a ``timeout`` are made one by one (each is waited for
+        with its own timeout)."""
+        return self.spec.timeout is None
+
+    @classmethod
+    def call_together(cls, calls: Sequence[tuple[RemoteMethod, tuple]]) -> list:
+        """All calls at once through the channel (see ``dasktensor.remote._calls``)."""
+        return call_many([(target.spec, target.method, args) for target, args in calls])
+
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, RemoteMethod)
+            and other.spec == self.spec
+            and other.method == self.method
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.spec.key, self.method))
+
+    def __repr__(self) -> str:
+        return f"{self.spec.name}.{self.method}"

@@ -1,0 +1,38 @@
+"""The worker side of dasktensor's remote models, importable without PyTensor.
+
+A ``dasktensor.RemoteModel`` keeps a model object alive on Dask workers and calls it there
+(see ``dasktensor.remote``).  Everything that runs on the *worker* for that lives in this
+top-level package, beside ``dasktensor`` rather than inside it, because ``import
+dasktensor.anything`` first runs ``dasktensor/__init__.py``, which imports PyTensor: 1-2 s
+that a bare ``dask worker`` (started without ``--preload dasktensor``) would otherwise pay
+on the first build of a model that does not even use PyTensor.  So this package imports
+only the standard library, NumPy, ``dask.config`` and ``distributed``, and never
+``dasktensor``, ``pytensor`` or ``pymc`` (``tests/test_worker_side.py`` checks it).
+
+Modules:
+
+* :mod:`dasktensor_worker.codec`: how arrays travel in the call messages, used by both
+  sides (caller and worker);
+* :mod:`dasktensor_worker.replica`: one model object on one worker and the thread(s) its
+  calls run on;
+* :mod:`dasktensor_worker.plugin`: :class:`~dasktensor_worker.plugin.ModelHost`, the
+  ``distributed.WorkerPlugin`` that holds a worker's replicas and answers the call
+  handler (``dasktensor_call``);
+* :mod:`dasktensor_worker.tasks`: the functions the caller ships to the cluster (the build
+  task, and the ``client.run`` / ``run_on_scheduler`` helpers).
+
+Importing this package itself imports nothing heavy (not even ``distributed``);
+``dasktensor_worker.ModelHost`` is loaded on first use.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ModelHost"]
+
+
+def __getattr__(name: str):
+    if name == "ModelHost":  # imports distributed: only when asked for
+        from dasktensor_worker.plugin import ModelHost
+
+        return ModelHost
+    raise AttributeError(f"module 'dasktensor_worker' has no attribute {name!r}")

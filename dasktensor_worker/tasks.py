@@ -1,0 +1,85 @@
+"""The functions a caller ships to the cluster for its remote models.
+
+Dask pickles a function by reference (module and name), so whatever runs on a worker or
+the scheduler is imported there by module.  These live here, in a package that imports
+neither dasktensor nor PyTensor, so that building and finding a model costs a bare worker
+(or scheduler) only this package's import.
+
+* :func:`build_replica`: the body of a model's build task (``build-<name>`` on the
+  dashboard); it adds the :class:`~dasktensor_worker.plugin.ModelHost` plugin to its
+  worker if needed.
+* :func:`holds`, :func:`build_count`, :func:`release`: run on the workers with
+  ``client.run`` (discovery, ``RemoteModel.build_counts``, ``RemoteModel.close``).
+* :func:`next_number`: run on the scheduler with ``client.run_on_scheduler``; the numbers
+  that spread calls over replicas (see ``dasktensor.remote._policy``).
+
+This module imports nothing beyond the standard library at import time; the plugin
+(``distributed``) is imported by the functions that need it, on the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def build_replica(
+    key: str, name: str, factory: Callable, concurrency: int, inline_below: float
+) -> str:
+    """Task body: build model ``key`` on this worker (once); the worker's address.
+
+    ``inline_below`` is the caller's ``dasktensor.remote.inline-below`` in seconds (see
+    :mod:`dasktensor_worker.replica`).
+    """
+    from distributed import get_worker
+
+    from dasktensor_worker.plugin import ensure_host
+
+    worker = get_worker()
+    ensure_host(worker).build(key, name, factory, concurrency, inline_below)
+    return worker.address
+
+
+def _host(dask_worker):
+    from dasktensor_worker.plugin import host_of
+
+    return host_of(dask_worker)
+
+
+def holds(key: str, dask_worker=None) -> bool:
+    """``client.run``: whether this worker holds model ``key``."""
+    host = _host(dask_worker)
+    return host is not None and key in host.replicas
+
+
+def build_count(key: str, dask_worker=None) -> int:
+    """``client.run``: how many times model ``key`` was built on this worker."""
+    host = _host(dask_worker)
+    return 0 if host is None else host.builds.get(key, 0)
+
+
+def release(key: str, dask_worker=None) -> bool:
+    """``client.run``: drop model ``key`` from this worker; whether it was held."""
+    host = _host(dask_worker)
+    return host is not None and host.release(key)
+
+
+def next_number(kind: str, key: str | None, dask_scheduler=None) -> int:
+    """``client.run_on_scheduler``: a number distinct per process (``kind="process"``,
+    counting up) or per model (``kind="model"``, the same for one ``key``) on the cluster.
+
+    Examples
+    --------
+    >>> class Scheduler: ...
+    >>> s = Scheduler()
+    >>> [next_number("process", None, s) for _ in range(2)]
+    [0, 1]
+    >>> [next_number("model", k, s) for k in ("a", "b", "a")]
+    [0, 1, 0]
+    """
+    numbers = getattr(dask_scheduler, "_dasktensor_numbers", None)
+    if numbers is None:
+        numbers = dask_scheduler._dasktensor_numbers = {"process": 0, "model": {}}
+    if kind == "process":
+        numbers["process"] += 1
+        return numbers["process"] - 1
+    return numbers["model"].setdefault(key, len(numbers["model"]))

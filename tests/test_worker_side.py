@@ -1,0 +1,242 @@
+"""The worker side of remote models (``dasktensor_worker``): light, and a proper plugin.
+
+A bare ``dask worker`` (no preload) must build and serve a model without importing
+dasktensor or PyTensor, and the ``ModelHost`` plugin must come and go cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import pkgutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from conftest import _cluster
+
+import dasktensor as dt
+import dasktensor_worker
+from dasktensor_worker import codec
+from dasktensor_worker.plugin import PLUGIN_NAME, ModelHost, host_of
+
+WORKER_MODULES = ["dasktensor_worker"] + [
+    f"dasktensor_worker.{m.name}" for m in pkgutil.iter_modules(dasktensor_worker.__path__)
+]
+
+
+def run_fresh(code: str) -> str:
+    """Run ``code`` in a fresh interpreter with this one's import path; its output."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_the_worker_package_imports_neither_dasktensor_nor_pytensor():
+    assert len(WORKER_MODULES) >= 5  # the package, codec, replica, plugin, tasks
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in WORKER_MODULES)
+        + "print(sorted(m for m in ('pytensor', 'pymc', 'dasktensor') if m in sys.modules))"
+    )
+    assert run_fresh(code) == "[]"
+
+
+def test_what_the_caller_imports_of_it_does_not_import_distributed():
+    """``import dasktensor`` stays free of distributed's import (dasktensor.remote uses these)."""
+    code = (
+        "import sys, dasktensor_worker, dasktensor_worker.codec, dasktensor_worker.tasks\n"
+        "print('distributed' in sys.modules)"
+    )
+    assert run_fresh(code) == "False"
+
+
+# ----------------------------------------------------------------------------- codec
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(6.0).reshape(2, 3)[:, ::2],  # strided
+        np.asfortranarray(np.arange(6).reshape(2, 3)),
+        np.array([1 + 2j, 3 - 1j], dtype=np.complex64),
+        np.array([True, False]),
+        np.array(3.5),  # 0-d array stays an array
+        np.float32(2.5),  # a NumPy scalar stays a scalar
+        np.zeros((0, 3), dtype=np.uint16),
+    ],
+    ids=["strided", "fortran", "complex64", "bool", "0-d", "scalar", "empty"],
+)
+def test_numeric_arrays_round_trip_as_writeable_copies(value):
+    packed = codec.pack(value)
+    assert set(packed) == {codec.ND}  # plain data msgpack carries as it is
+    back = codec.unpack(packed)
+    assert type(back) is type(value) and back.dtype == value.dtype
+    np.testing.assert_array_equal(back, value)
+    if isinstance(back, np.ndarray):
+        assert back.flags.writeable and back.flags.c_contiguous
+
+
+def test_other_values_pass_as_they_are_and_sequences_come_back_as_tuples():
+    objects = np.array([{"a": 1}], dtype=object)
+    packed = codec.pack([1.5, "text", objects, (np.int64(3), None)])
+    assert packed[:3] == [1.5, "text", objects]
+    assert codec.unpack(packed)[3] == (3, None)
+
+
+# ----------------------------------------------------------------------------- the plugin
+
+
+class FakeWorker:
+    """What ``ModelHost`` touches of a worker."""
+
+    def __init__(self):
+        self.handlers = {"other": print}
+        self.plugins = {}
+
+
+def test_teardown_removes_the_handler_and_releases_the_replicas():
+    worker, host = FakeWorker(), ModelHost()
+    host.setup(worker)
+    assert worker.handlers[codec.CALL_HANDLER] == host.handle_call
+    host.build("m-1", "m", dict, 1, 0.001)
+    host.build("m-1", "m", dict, 1, 0.001)  # built once
+    replica = host.replicas["m-1"]
+    assert host.builds == {"m-1": 1}
+    host.teardown(worker)
+    assert worker.handlers == {"other": print}
+    assert host.replicas == {}
+    assert replica.executor._shutdown  # its threads were told to stop
+    with pytest.raises(RuntimeError, match="plugin was removed from this worker"):
+        host.build("m-2", "m", dict, 1, 0.001)
+
+
+def test_a_host_pickles_as_a_new_empty_host():
+    import pickle
+
+    host = ModelHost()
+    host.build("m-1", "m", dict, 1, 0.001)
+    copy = pickle.loads(pickle.dumps(host))
+    assert isinstance(copy, ModelHost) and copy.replicas == {} and not copy.closed
+    host.teardown(FakeWorker())
+
+
+# ----------------------------------------------------------------------------- a bare worker
+
+
+@pytest.fixture(scope="module")
+def bare():
+    """A Client of a one-worker process cluster started without any preload (two threads:
+    builds may race)."""
+    from distributed import Client
+
+    with (
+        _cluster(n_workers=1, threads_per_worker=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        client.wait_for_workers(1, timeout=60)
+        yield client
+
+
+def numpy_model():
+    """A factory needing NumPy only, pickled by value (a class defined in a function)."""
+
+    class Shift:
+        def __init__(self):
+            self.offset = np.arange(3.0)
+
+        def logp_grad(self, x):
+            r = x - self.offset
+            return -0.5 * float(r @ r), -r
+
+        def pid(self):
+            return os.getpid()
+
+    return Shift
+
+
+def worker_state(client) -> dict:
+    def state(dask_worker=None):
+        return {
+            "modules": sorted(m for m in ("pytensor", "pymc", "dasktensor") if m in sys.modules),
+            "handler": "dasktensor_call" in dask_worker.handlers,
+            "plugin": "dasktensor-models" in dask_worker.plugins,
+        }
+
+    (found,) = client.run(state).values()
+    return found
+
+
+def remove_host(client) -> None:
+    """Remove the worker's ModelHost (if it has one) with the worker's own API."""
+
+    async def remove(dask_worker=None):
+        if "dasktensor-models" in dask_worker.plugins:
+            return (await dask_worker.plugin_remove("dasktensor-models"))["status"]
+        return "none"
+
+    assert set(client.run(remove).values()) <= {"OK", "none"}
+    assert worker_state(client)["handler"] is False
+
+
+def held(client) -> list[tuple[str, list[str]]]:
+    """The worker's host: its type and the keys of its replicas."""
+
+    def replicas(dask_worker=None):
+        host = host_of(dask_worker)
+        return type(host).__name__, sorted(host.replicas)
+
+    return list(client.run(replicas).values())
+
+
+def test_a_bare_worker_builds_and_serves_a_model_without_importing_pytensor(bare):
+    assert worker_state(bare) == {"modules": [], "handler": False, "plugin": False}
+    model = dt.RemoteModel(numpy_model(), name="shift", scheduler=bare)
+    logp, grad = model.call("logp_grad", np.ones(3))
+    assert logp == -0.5 * 2.0
+    np.testing.assert_array_equal(grad, [-1.0, 0.0, 1.0])
+    assert worker_state(bare) == {"modules": [], "handler": True, "plugin": True}
+    model.close()
+
+
+def test_removing_the_plugin_releases_the_replicas_and_the_next_call_rebuilds(bare):
+    model = dt.RemoteModel(numpy_model(), name="shift", scheduler=bare)
+    (address,) = model.start()
+    pid = model.call("pid")
+    remove_host(bare)
+    assert model.workers() == [] and model.build_counts() == {}
+    assert model.call("pid") == pid  # rebuilt on the same worker
+    assert model.build_counts() == {address: 1}  # by a new host
+    assert worker_state(bare) == {"modules": [], "handler": True, "plugin": True}
+    model.close()
+
+
+def test_the_plugin_registered_by_the_client_serves_models_and_unregisters(bare):
+    remove_host(bare)
+    bare.register_plugin(ModelHost())
+    assert worker_state(bare)["handler"] is True
+    model = dt.RemoteModel(numpy_model(), name="shift", scheduler=bare)
+    model.call("pid")
+    assert held(bare) == [("ModelHost", [model.key])]  # the registered host serves it
+    bare.unregister_worker_plugin(PLUGIN_NAME)
+    assert worker_state(bare)["plugin"] is False
+    assert model.workers() == []
+    model.call("pid")  # the build task adds a host again
+    assert len(model.workers()) == 1
+    model.close()
+
+
+def test_builds_racing_on_one_worker_install_one_host_and_build_once(bare):
+    remove_host(bare)
+    models = [dt.RemoteModel(numpy_model(), name="shift", scheduler=bare) for _ in range(2)]
+    with ThreadPoolExecutor(6) as pool:
+        pids = list(pool.map(lambda m: m.call("pid"), models * 3))
+    assert len(set(pids)) == 1
+    assert held(bare) == [("ModelHost", sorted(m.key for m in models))]
+    assert [m.build_counts() for m in models] == [{a: 1} for a in bare.run(os.getpid)] * 2
+    for m in models:
+        m.close()
