@@ -5,7 +5,7 @@ can be printed and tested without Dask.
 
 The policy
 ----------
-Each node is one of three weights:
+Each node is one of three weights (a :class:`~dasktensor._weights.Weight`):
 
 * **heavy** -- the Op says so (``op.dasktensor_heavy`` is true, as for remote model calls
   and :func:`dasktensor.annotate` subgraphs) or its type was registered with
@@ -21,175 +21,62 @@ If there is no heavy node and fewer than two costly ones, nothing can run in par
 the whole graph is **one in-process stage**: the DASK mode then costs what PyTensor's own
 mode costs.
 
-Otherwise heavy and costly nodes are *anchors*.  Every other node is coloured by the set of
-anchors among its ancestors and the set of anchors among its descendants, and nodes of one
-colour form one stage.  Along any path of the graph the first set only grows and the
-second only shrinks, and the first grows strictly when the path passes an anchor; so a
-path between two nodes of one colour passes through nodes of that colour only, and the
-stages and anchors form an acyclic task graph.  Stages that hold only cheap nodes are
-*cheap stages*; the cheap work before, between and after heavy calls thus becomes a handful
-of stages however many nodes it has.
+Otherwise heavy and costly nodes are *anchors*, and :func:`plan_graph` runs four steps.
+Each asks of a DAG (of nodes, or of blocks of nodes) which anchors lie among the ancestors
+and which among the descendants of every item; :func:`anchors_around` answers that in one
+pass.
 
-Then linear chains are fused: a task whose only consumer is a task whose only producer
-it is, is merged into it, unless either is a heavy node (which must stay alone).  A branch
-``dot -> tanh -> dot -> tanh`` thereby becomes one task, so independent branches run in
-parallel while each costs one task.  If this leaves a single costly task and no heavy
-one, the plan falls back to one stage.
-
-Finally, the cheap stages that run on the caller are fused by role: those that feed the
-cluster (run before submitting), those independent of it (run while it works) and those
-after it.  Each union is acyclic: a path between two "feeding" stages only passes through
-nodes without cluster ancestors that lead to the cluster, i.e. "feeding" stages; a path
-between two "after" stages only passes through nodes with cluster ancestors and no cluster
-descendants, i.e. "after" stages; and a path between two independent stages only passes
-through stages without cluster ancestors or descendants.
-
-Where tasks run: heavy and costly tasks run on the cluster's workers; cheap stages run on
-the caller, except those between two cluster tasks, which run on the cluster too (sending
-their inputs back and forth would cost more than the stage).
+1. :func:`colour`: every other node is coloured by the set of anchors among its ancestors
+   and the set of anchors among its descendants, and nodes of one colour form one stage.
+   Along any path of the graph the first set only grows and the second only shrinks, and
+   the first grows strictly when the path passes an anchor; so a path between two nodes of
+   one colour passes through nodes of that colour only, and the stages and anchors form an
+   acyclic task graph.  Stages that hold only cheap nodes are *cheap stages*; the cheap
+   work before, between and after heavy calls thus becomes a handful of stages however
+   many nodes it has.
+2. :func:`fuse_chains`: a task whose only consumer is a task whose only producer it is, is
+   merged into it, unless either is a heavy node (which must stay alone).  The edge between
+   them is the only path from one to the other, so the task graph stays acyclic.  A branch
+   ``dot -> tanh -> dot -> tanh`` thereby becomes one task, so independent branches run in
+   parallel while each costs one task.  If this leaves a single costly task and no heavy
+   one, the plan falls back to one stage.
+3. :func:`fuse_caller_stages`: the cheap stages that run on the caller are fused by role:
+   those that feed the cluster (run before submitting), those independent of it (run while
+   it works) and those after it.  Each union is acyclic: a path between two "feeding"
+   stages only passes through nodes without cluster ancestors that lead to the cluster,
+   i.e. "feeding" stages; a path between two "after" stages only passes through nodes with
+   cluster ancestors and no cluster descendants, i.e. "after" stages; and a path between
+   two independent stages only passes through stages without cluster ancestors or
+   descendants.
+4. :func:`make_plan`: every block becomes a :class:`Task`, in topological order, and is
+   placed.  Heavy and costly tasks run on the cluster's workers; cheap stages run on the
+   caller, except those between two cluster tasks, which run on the cluster too (sending
+   their inputs back and forth would cost more than the stage).
 """
 
 from __future__ import annotations
 
-import math
-import re
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pytensor.graph.basic import Apply, Constant, Variable
 from pytensor.graph.fg import FunctionGraph
 
 from dasktensor import _config
 from dasktensor._placement import Placement
+from dasktensor._weights import _HEAVY_TYPES as _HEAVY_TYPES
+from dasktensor._weights import Weight, dominant_label, is_remote, node_weight
+from dasktensor._weights import is_heavy as is_heavy
+from dasktensor._weights import mark_heavy as mark_heavy
+from dasktensor._weights import op_label as op_label
 
-Weight = Literal["heavy", "costly", "cheap"]
-
-_HEAVY_TYPES: dict[type, str | None] = {}
-
-
-def mark_heavy(op_type: type, name: str | None = None) -> type:
-    """Plan every node of an Op type as a task of its own.
-
-    Use it for Ops you do not own (a third-party solver Op, say).  Ops you write can
-    instead set the class attribute ``dasktensor_heavy = True`` (and optionally
-    ``dasktensor_name`` and ``dasktensor_placement``, a :class:`~dasktensor.Placement`).
-
-    Parameters
-    ----------
-    op_type : type
-        A subclass of ``pytensor.graph.op.Op``.
-    name : str, optional
-        Prefix of the task keys on the dashboard; letters and dashes, such as
-        ``"ode-solve"``.  Defaults to the Op's class name.
-
-    Returns
-    -------
-    type
-        ``op_type``, so that ``mark_heavy`` also works as a class decorator.
-
-    Examples
-    --------
-    >>> import dasktensor as dt
-    >>> from pytensor.graph.op import Op
-    >>> @dt.mark_heavy
-    ... class Simulate(Op):
-    ...     def make_node(self, x): ...
-    ...     def perform(self, node, inputs, outputs): ...
-    >>> dt.is_heavy(Simulate())
-    True
-    """
-    from pytensor.graph.op import Op
-
-    if not (isinstance(op_type, type) and issubclass(op_type, Op)):
-        raise TypeError(f"mark_heavy expected a subclass of pytensor Op, got {op_type!r}")
-    _HEAVY_TYPES[op_type] = name
-    return op_type
-
-
-def is_heavy(op) -> bool:
-    """Whether the planner gives every node of ``op`` a task of its own.
-
-    Examples
-    --------
-    >>> import pytensor.tensor as pt
-    >>> import dasktensor as dt
-    >>> dt.is_heavy(pt.exp(pt.vector()).owner.op)
-    False
-    """
-    return bool(getattr(op, "dasktensor_heavy", False)) or isinstance(op, tuple(_HEAVY_TYPES))
-
-
-def op_label(op) -> str:
-    """A short dashboard-friendly name: lowercase letters and dashes only.
-
-    ``dask.utils.key_split`` keeps the leading words of a key that are pure letters, so a
-    key ``f"{op_label(op)}-3-{token}"`` shows on the dashboard as ``op_label(op)``.
-    """
-    name = getattr(op, "dasktensor_name", None)
-    if name is None:
-        for typ, registered in _HEAVY_TYPES.items():
-            if isinstance(op, typ) and registered:
-                name = registered
-                break
-    if name is None:
-        core_op = getattr(op, "core_op", None)  # Blockwise: name it after what it maps
-        name = type(core_op if core_op is not None else op).__name__
-    name = _READABLE.get(str(name), str(name))
-    words = re.findall(r"[a-z]+", re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name).lower())
-    # key_split drops an 8-letter word that starts with a-f (it takes it for a hex token)
-    words = [w + "-op" if len(w) == 8 and w[0] in "abcdef" else w for w in words]
-    return "-".join(words) or "op"
-
-
-_READABLE = {"Elemwise": "elementwise", "CAReduce": "reduce", "DimShuffle": "dimshuffle"}
-
-
-# ----------------------------------------------------------------------------- cost rule
-
-_PRODUCT_OPS = re.compile(r"Dot|Gemm|Gemv|Ger|MatMul|Matmul|BatchedDot|Dot22", re.ASCII)
-
-
-def estimated_flops(node: Apply) -> float:
-    """Floating-point work of ``node`` estimated from static shapes (``nan`` if unknown).
-
-    Matrix products count ``2 * prod(output shape) * k`` with ``k`` the contracted length;
-    every other node counts one operation per output element and input.
-    """
-
-    def size(var) -> float:
-        shape = getattr(var.type, "shape", None)
-        if shape is None or any(s is None for s in shape):
-            return math.nan
-        return float(math.prod(shape))
-
-    op = node.op
-    core = getattr(op, "core_op", op)
-    if _PRODUCT_OPS.search(type(core).__name__) or _PRODUCT_OPS.search(type(op).__name__):
-        out = max((size(o) for o in node.outputs), default=math.nan)
-        k = math.nan
-        for inp in node.inputs:
-            shape = getattr(inp.type, "shape", None)
-            if shape and len(shape) >= 2 and shape[-1] is not None:
-                k = float(shape[-1])
-                break
-        return 2.0 * out * k
-    out = sum(size(o) for o in node.outputs)
-    return out * max(1, len(node.inputs))
-
-
-def node_weight(node: Apply, heavy_flops: float) -> tuple[Weight, str]:
-    """The weight of one node and the reason, as :meth:`Plan.describe` shows it."""
-    if is_heavy(node.op):
-        return "heavy", "marked heavy"
-    flops = estimated_flops(node)
-    if flops >= heavy_flops:  # nan compares False
-        return "costly", f"~{flops:.1e} flops >= heavy-flops"
-    return "cheap", "cheap"
-
-
-# ----------------------------------------------------------------------------- the plan
+#: the nodes of one task, in topological order
+Block = list[Apply]
+#: the weight of every node of the graph, keyed in topological order
+Weights = dict[Apply, Weight]
+T = TypeVar("T", bound=Hashable)
 
 
 @dataclass(frozen=True, eq=False)
@@ -320,120 +207,226 @@ def plan_graph(
         heavy_flops = float(_config.get("planner.heavy-flops"))
     nodes = list(order(fgraph) if order is not None else fgraph.toposort())
     weights = {n: node_weight(n, heavy_flops) for n in nodes}
-    n_heavy = sum(w == "heavy" for w, _ in weights.values())
-    n_costly = sum(w == "costly" for w, _ in weights.values())
-
-    if n_heavy == 0 and n_costly < 2:
+    kinds = Counter(w.kind for w in weights.values())
+    if kinds["heavy"] == 0 and kinds["costly"] < 2:
         return _single_stage(fgraph, nodes, "nothing to run in parallel")
 
-    # 1. colour: the anchors among each node's ancestors, and among its descendants
-    anchors_above: dict[Apply, frozenset[Apply]] = {}
-    for node in nodes:
-        above: set[Apply] = set()
-        for inp in node.inputs:
-            owner = inp.owner
-            if owner is not None:
-                above |= anchors_above[owner]
-                if weights[owner][0] != "cheap":
-                    above.add(owner)
-        anchors_above[node] = frozenset(above)
-
-    anchors_below: dict[Apply, frozenset[Apply]] = {}
-    clients = fgraph.clients
-    for node in reversed(nodes):
-        below: set[Apply] = set()
-        for out in node.outputs:
-            for client, _ in clients.get(out, ()):
-                if client in weights:  # skips the graph's output markers
-                    below |= anchors_below[client]
-                    if weights[client][0] != "cheap":
-                        below.add(client)
-        anchors_below[node] = frozenset(below)
-
-    # 2. groups: one per anchor, one per colour of the other nodes (in topological order)
-    group_of: dict[Apply, int] = {}
-    groups: list[list[Apply]] = []
-    colour_group: dict[tuple[frozenset[Apply], frozenset[Apply]], int] = {}
-    for node in nodes:
-        if weights[node][0] != "cheap":
-            group_of[node] = len(groups)
-            groups.append([node])
-        else:
-            key = (anchors_above[node], anchors_below[node])
-            if key not in colour_group:
-                colour_group[key] = len(groups)
-                groups.append([])
-            group_of[node] = colour_group[key]
-            groups[group_of[node]].append(node)
-
-    # 3. fuse linear chains (never across a heavy node)
-    parent = list(range(len(groups)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    def is_heavy_group(i: int) -> bool:
-        return any(weights[n][0] == "heavy" for n in groups[i])
-
-    changed = True
-    while changed:
-        changed = False
-        preds, succs = _block_dag(nodes, lambda n: find(group_of[n]))
-        for a, out in succs.items():
-            if len(out) != 1:
-                continue
-            (b,) = out
-            if len(preds[b]) == 1 and not is_heavy_group(a) and not is_heavy_group(b):
-                parent[b] = a
-                changed = True
-                break
-
-    # 4. the caller runs its cheap stages one after another anyway: fuse them into one
-    #    stage that feeds the cluster, one that runs beside it (while the cluster works) and
-    #    one after it.  Each union stays acyclic: a path between two stages of one kind only
-    #    passes through stages of that kind (see the module docstring).
-    preds, succs = _block_dag(nodes, lambda n: find(group_of[n]))
-    order = _toposort_blocks(preds, key=lambda r: r)
-    cluster = {r: False for r in preds}
-    for node in nodes:
-        if weights[node][0] != "cheap":
-            cluster[find(group_of[node])] = True
-    above = {r: False for r in preds}
-    for r in order:
-        above[r] = any(cluster[p] or above[p] for p in preds[r])
-    below = {r: False for r in preds}
-    for r in reversed(order):
-        below[r] = any(cluster[s] or below[s] for s in succs[r])
-    feeding = [r for r in order if not cluster[r] and not above[r] and below[r]]
-    aside = [r for r in order if not cluster[r] and not above[r] and not below[r]]
-    after = [r for r in order if not cluster[r] and above[r] and not below[r]]
-    for same_side in (feeding, aside, after):
-        for r in same_side[1:]:
-            parent[find(r)] = find(same_side[0])
-
-    members: dict[int, list[Apply]] = {}
-    for node in nodes:  # keeps topological order inside every task
-        members.setdefault(find(group_of[node]), []).append(node)
-    blocks = list(members.values())
-
-    n_costly_blocks = sum(
-        any(weights[n][0] == "costly" for n in block)
-        and not any(weights[n][0] == "heavy" for n in block)
-        for block in blocks
-    )
-    if n_heavy == 0 and n_costly_blocks < 2:
+    blocks = fuse_chains(colour(weights), weights)
+    costly_blocks = sum(any(weights[n].kind == "costly" for n in block) for block in blocks)
+    if kinds["heavy"] == 0 and costly_blocks < 2:
         return _single_stage(fgraph, nodes, "costly work lies on one chain")
+    blocks = fuse_caller_stages(blocks, weights)
+    return make_plan(fgraph, blocks, weights)
 
-    return _make_plan(fgraph, blocks, weights)
+
+# ----------------------------------------------------------------------------- the steps
+
+
+def anchors_around(
+    order: Sequence[T],
+    preds: Mapping[T, Iterable[T]] | Sequence[Iterable[T]],
+    is_anchor: Callable[[T], bool],
+) -> tuple[dict[T, frozenset[T]], dict[T, frozenset[T]]]:
+    """The anchors among the ancestors and among the descendants of every item of a DAG.
+
+    Parameters
+    ----------
+    order : sequence
+        The items of the DAG (nodes, or indices of blocks) in topological order.
+    preds : mapping or sequence
+        ``preds[item]``: the items that ``item`` reads from directly.
+    is_anchor : callable
+        ``is_anchor(item)``: whether an item is an anchor.
+
+    Returns
+    -------
+    above, below : dict
+        ``above[item]`` (``below[item]``): the anchors among the ancestors (descendants) of
+        ``item``, as a frozenset that never holds ``item`` itself.
+
+    Examples
+    --------
+    >>> above, below = anchors_around("abc", {"a": "", "b": "a", "c": "b"}, "b".__eq__)
+    >>> sorted(above["c"]), sorted(above["b"]), sorted(below["a"]), sorted(below["c"])
+    (['b'], [], ['b'], [])
+    """
+    succs: dict[T, list[T]] = {item: [] for item in order}
+    for item in order:
+        for p in preds[item]:
+            succs[p].append(item)
+
+    def reach(items: Iterable[T], edges) -> dict[T, frozenset[T]]:
+        found: dict[T, frozenset[T]] = {}
+        for item in items:
+            anchors: set[T] = set()
+            for other in edges[item]:
+                anchors |= found[other]
+                if is_anchor(other):
+                    anchors.add(other)
+            found[item] = frozenset(anchors)
+        return found
+
+    return reach(order, preds), reach(reversed(order), succs)
+
+
+def colour(weights: Weights) -> list[Block]:
+    """Step 1: every anchor alone, the other nodes grouped by their anchors above and below.
+
+    Parameters
+    ----------
+    weights : dict
+        The :class:`~dasktensor._weights.Weight` of every node, in topological order.
+
+    Returns
+    -------
+    list of Block
+        The groups, in the order of their first node.
+    """
+    nodes = list(weights)
+    preds = {n: [i.owner for i in n.inputs if i.owner is not None] for n in nodes}
+    above, below = anchors_around(nodes, preds, lambda n: weights[n].anchor)
+    groups: dict[object, Block] = {}
+    for node in nodes:
+        key = node if weights[node].anchor else (above[node], below[node])
+        groups.setdefault(key, []).append(node)
+    return list(groups.values())
+
+
+def fuse_chains(blocks: list[Block], weights: Weights) -> list[Block]:
+    """Step 2: fuse linear chains of blocks, never across a heavy node.
+
+    A block whose only consumer is a block whose only producer it is, is merged into it.
+    Merging such a pair changes neither the other pairs nor the number of producers and
+    consumers of any other block, so one pass over the block graph finds every merge.
+    ``blocks`` are the groups made by :func:`colour`, ``weights`` every node's weight in
+    topological order (kept inside merged blocks); returns the fused blocks in the order
+    of their first node.
+    """
+    preds, succs = _block_dag(blocks)
+    heavy = [any(weights[n].kind == "heavy" for n in block) for block in blocks]
+    pairs = []
+    for a, consumers in enumerate(succs):
+        if len(consumers) == 1:
+            (b,) = consumers
+            if len(preds[b]) == 1 and not heavy[a] and not heavy[b]:
+                pairs.append((a, b))
+    return _merged(weights, blocks, pairs)
+
+
+def fuse_caller_stages(blocks: list[Block], weights: Weights) -> list[Block]:
+    """Step 3: fuse the cheap stages that run on the caller into one per role.
+
+    The roles: feeding the cluster (cluster work among the descendants only), after it
+    (among the ancestors only) and beside it (neither).  Stages between cluster work stay
+    as they are; :func:`make_plan` places them on the cluster.  Takes and returns blocks
+    as :func:`fuse_chains` does.
+    """
+    preds, _ = _block_dag(blocks)
+    order = _toposort_blocks(preds)
+    cluster = [any(weights[n].anchor for n in block) for block in blocks]
+    above, below = anchors_around(order, preds, cluster.__getitem__)
+    sides: dict[tuple[bool, bool], list[int]] = {}
+    for b in order:
+        if not cluster[b] and not (above[b] and below[b]):
+            sides.setdefault((bool(above[b]), bool(below[b])), []).append(b)
+    return _merged(weights, blocks, [(side[0], b) for side in sides.values() for b in side[1:]])
+
+
+def make_plan(fgraph: FunctionGraph, blocks: list[Block], weights: Weights) -> Plan:
+    """Step 4: the blocks as tasks in topological order, each named, explained and placed.
+
+    Parameters
+    ----------
+    fgraph : FunctionGraph
+        The graph that ``blocks`` partition.
+    blocks : list of Block
+        Convex blocks of nodes, in the order of their first node.
+    weights : dict
+        The :class:`~dasktensor._weights.Weight` of every node, in topological order.
+
+    Returns
+    -------
+    Plan
+    """
+    preds, _ = _block_dag(blocks)
+    order = _toposort_blocks(preds)
+    renumber = {old: new for new, old in enumerate(order)}
+    blocks = [blocks[old] for old in order]
+    deps = [sorted(renumber[d] for d in preds[old]) for old in order]
+    remote = [any(is_remote(n) for n in block) for block in blocks]
+    # cheap stages between two cluster tasks run on the cluster
+    on_cluster = [any(weights[n].anchor for n in b) and not r for b, r in zip(blocks, remote)]
+    above, below = anchors_around(range(len(blocks)), deps, on_cluster.__getitem__)
+
+    task_of_node = {n: i for i, block in enumerate(blocks) for n in block}
+    fgraph_outputs = set(fgraph.outputs)
+    clients = fgraph.clients
+    tasks = []
+    for i, block in enumerate(blocks):
+        in_block = set(block)
+        entering = (v for n in block for v in n.inputs if v.owner not in in_block)
+        inputs = dict.fromkeys(v for v in entering if not isinstance(v, Constant))
+        outputs = [
+            o
+            for n in block
+            for o in n.outputs
+            if o in fgraph_outputs
+            or any(task_of_node.get(c, i) != i for c, _ in clients.get(o, ()))
+        ]
+        tasks.append(
+            Task(
+                index=i,
+                nodes=tuple(block),
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+                deps=tuple(deps[i]),
+                **_describe(block, weights, remote[i], on_cluster[i], above[i], below[i]),
+            )
+        )
+    return Plan(fgraph=fgraph, tasks=tuple(tasks))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+#: the role and reason of a cheap stage by (cluster work above it, cluster work below it)
+_CHEAP_ROLES = {
+    (True, True): ("cluster", "cheap nodes between cluster tasks"),
+    (True, False): ("after", "cheap nodes after heavy work"),
+    (False, True): ("before", "cheap nodes before heavy work"),
+    (False, False): ("beside", "cheap nodes beside heavy work (run while it runs)"),
+}
+
+
+def _describe(
+    block: Block,
+    weights: Weights,
+    remote: bool,
+    on_cluster: bool,
+    above: frozenset,
+    below: frozenset,
+) -> dict:
+    """The name, kind, role, reason and placement of the task made of ``block``."""
+    heavy = [n for n in block if weights[n].kind == "heavy"]
+    if heavy:
+        (node,) = heavy  # heavy nodes are never fused
+        placement = getattr(node.op, "dasktensor_placement", None) or Placement()
+        role = "remote" if remote else "cluster"
+        name, reason = op_label(node.op), weights[node].reason
+        return dict(name=name, kind="heavy", role=role, reason=reason, placement=placement)
+    if on_cluster:
+        costly = [n for n in block if weights[n].kind == "costly"]
+        name = "work-" + dominant_label(costly)
+        reason = f"{len(costly)} costly node(s): {weights[costly[0]].reason}"
+        return dict(name=name, kind="stage", role="cluster", reason=reason)
+    role, reason = _CHEAP_ROLES[bool(above), bool(below)]
+    return dict(name="stage-" + dominant_label(block), kind="stage", role=role, reason=reason)
 
 
 def _single_stage(fgraph: FunctionGraph, nodes: list[Apply], reason: str) -> Plan:
     task = Task(
         index=0,
-        name="stage-" + _dominant_label(nodes),
+        name="stage-" + dominant_label(nodes),
         kind="stage",
         role="beside",
         nodes=tuple(nodes),
@@ -445,146 +438,45 @@ def _single_stage(fgraph: FunctionGraph, nodes: list[Apply], reason: str) -> Pla
     return Plan(fgraph=fgraph, tasks=(task,))
 
 
-def _dominant_label(nodes: Sequence[Apply]) -> str:
-    if not nodes:
-        return "identity"
-    counts = Counter(op_label(n.op) for n in nodes)
-    return counts.most_common(1)[0][0]
-
-
-def _make_plan(fgraph: FunctionGraph, blocks: list[list[Apply]], weights) -> Plan:
-    # order blocks topologically by their first node's position (blocks are convex)
-    position = {n: i for i, n in enumerate(n for block in blocks for n in block)}
-    task_of_node: dict[Apply, int] = {}
-    for b, block in enumerate(blocks):
-        for n in block:
-            task_of_node[n] = b
-    deps_of = []
-    for block in blocks:
-        deps = set()
-        for n in block:
-            for inp in n.inputs:
-                if inp.owner is not None and task_of_node[inp.owner] != task_of_node[n]:
-                    deps.add(task_of_node[inp.owner])
-        deps_of.append(deps)
-    order = _toposort_blocks(deps_of, key=lambda b: position[blocks[b][0]])
-    renumber = {old: new for new, old in enumerate(order)}
-
-    fgraph_outputs = set(fgraph.outputs)
-    clients = fgraph.clients
-    remote = [any(_is_remote(n) for n in blocks[old]) for old in order]
-    heavy_or_costly = [
-        any(weights[n][0] != "cheap" for n in blocks[old]) and not remote[new]
-        for new, old in enumerate(order)
+def _block_dag(blocks: Sequence[Block]) -> tuple[list[set[int]], list[set[int]]]:
+    """Predecessors and successors of every block, by index in ``blocks``."""
+    block_of = {n: b for b, block in enumerate(blocks) for n in block}
+    preds = [
+        {block_of[i.owner] for n in block for i in n.inputs if i.owner is not None} - {b}
+        for b, block in enumerate(blocks)
     ]
-    deps_new = [sorted(renumber[d] for d in deps_of[old]) for old in order]
-
-    # cheap stages between two cluster tasks run on the cluster
-    above_cluster = [False] * len(order)
-    for i in range(len(order)):
-        above_cluster[i] = any(heavy_or_costly[d] or above_cluster[d] for d in deps_new[i])
-    below_cluster = [False] * len(order)
-    succ_new: list[list[int]] = [[] for _ in order]
-    for i, deps in enumerate(deps_new):
-        for d in deps:
-            succ_new[d].append(i)
-    for i in reversed(range(len(order))):
-        below_cluster[i] = any(heavy_or_costly[s] or below_cluster[s] for s in succ_new[i])
-
-    tasks = []
-    for new, old in enumerate(order):
-        block = blocks[old]
-        in_block = set(block)
-        inputs: list[Variable] = []
-        seen: set[Variable] = set()
-        for n in block:
-            for inp in n.inputs:
-                if isinstance(inp, Constant) or inp in seen:
-                    continue
-                if inp.owner is None or inp.owner not in in_block:
-                    seen.add(inp)
-                    inputs.append(inp)
-        outputs = [
-            o
-            for n in block
-            for o in n.outputs
-            if o in fgraph_outputs
-            or any(task_of_node.get(c, old) != old for c, _ in clients.get(o, ()))
-        ]
-        heavy_nodes = [n for n in block if weights[n][0] == "heavy"]
-        if heavy_nodes:
-            (node,) = heavy_nodes  # heavy nodes are never fused
-            kind, role = "heavy", "remote" if remote[new] else "cluster"
-            name = op_label(node.op)
-            reason = weights[node][1]
-            placement = getattr(node.op, "dasktensor_placement", None) or Placement()
-        elif heavy_or_costly[new]:
-            kind, role = "stage", "cluster"
-            costly = [n for n in block if weights[n][0] == "costly"]
-            name = "work-" + _dominant_label(costly)
-            reason = f"{len(costly)} costly node(s): {weights[costly[0]][1]}"
-            placement = Placement()
-        else:
-            kind = "stage"
-            name = "stage-" + _dominant_label(block)
-            if above_cluster[new] and below_cluster[new]:
-                role, reason = "cluster", "cheap nodes between cluster tasks"
-            elif above_cluster[new]:
-                role, reason = "after", "cheap nodes after heavy work"
-            elif below_cluster[new]:
-                role, reason = "before", "cheap nodes before heavy work"
-            else:
-                role, reason = "beside", "cheap nodes beside heavy work (run while it runs)"
-            placement = Placement()
-        tasks.append(
-            Task(
-                index=new,
-                name=name,
-                kind=kind,
-                role=role,
-                nodes=tuple(block),
-                inputs=tuple(inputs),
-                outputs=tuple(outputs),
-                deps=tuple(deps_new[new]),
-                reason=reason,
-                placement=placement,
-            )
-        )
-    return Plan(fgraph=fgraph, tasks=tuple(tasks))
-
-
-def _is_remote(node: Apply) -> bool:
-    """A call that reaches its model itself (``RemoteModel`` Ops): made from the caller."""
-    return bool(getattr(node.op, "dasktensor_remote", False))
-
-
-def _block_dag(nodes, block_of) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
-    """Predecessors and successors of the blocks that ``block_of`` assigns nodes to."""
-    preds: dict[int, set[int]] = {}
-    succs: dict[int, set[int]] = {}
-    for node in nodes:
-        b = block_of(node)
-        preds.setdefault(b, set())
-        succs.setdefault(b, set())
-    for node in nodes:
-        b = block_of(node)
-        for inp in node.inputs:
-            if inp.owner is not None:
-                a = block_of(inp.owner)
-                if a != b:
-                    preds[b].add(a)
-                    succs[a].add(b)
+    succs: list[set[int]] = [set() for _ in blocks]
+    for b, producers in enumerate(preds):
+        for a in producers:
+            succs[a].add(b)
     return preds, succs
 
 
-def _toposort_blocks(deps_of, key) -> list:
-    """Topological order of blocks given as ``{block: dependencies}`` or a list of them."""
-    if isinstance(deps_of, list):
-        deps_of = dict(enumerate(deps_of))
-    remaining = {i: set(d) for i, d in deps_of.items()}
+def _merged(nodes: Iterable[Apply], blocks: list[Block], pairs) -> list[Block]:
+    """``blocks`` with the blocks of every pair of indices united, in the order of ``nodes``."""
+    parent = list(range(len(blocks)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, b in pairs:
+        parent[find(b)] = find(a)
+    block_of = {n: find(b) for b, block in enumerate(blocks) for n in block}
+    members: dict[int, Block] = {}
+    for node in nodes:
+        members.setdefault(block_of[node], []).append(node)
+    return list(members.values())
+
+
+def _toposort_blocks(preds: Sequence[Iterable[int]]) -> list[int]:
+    """Block indices in topological order: level by level, each level in index order."""
+    remaining = {i: set(d) for i, d in enumerate(preds)}
     done: list[int] = []
     while remaining:
-        ready = sorted((i for i, d in remaining.items() if not d), key=key)
+        ready = sorted(i for i, d in remaining.items() if not d)
         if not ready:  # pragma: no cover - the colouring argument rules this out
             raise RuntimeError("dasktensor planner produced a cyclic task graph")
         for i in ready:

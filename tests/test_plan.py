@@ -9,7 +9,15 @@ from dask.utils import key_split
 from pytensor.graph.fg import FunctionGraph
 
 import dasktensor as dt
-from dasktensor._plan import op_label
+from dasktensor._plan import (
+    anchors_around,
+    colour,
+    fuse_caller_stages,
+    fuse_chains,
+    make_plan,
+    op_label,
+)
+from dasktensor._weights import Weight, node_weight
 
 
 def plan_of(inputs, outputs, **kwargs):
@@ -178,3 +186,133 @@ def test_caller_work_independent_of_the_cluster_gets_its_own_stage():
     (heavy,) = [t for t in plan.tasks if t.kind == "heavy"]
     (beside,) = [t for t in plan.tasks if t.reason.startswith("cheap nodes beside")]
     assert beside.index not in heavy.deps
+
+
+# ----------------------------------------------------------------------------- the steps
+
+
+def graph_nodes(inputs, outputs):
+    """A graph of the given variables themselves (not clones) and its nodes in order."""
+    fgraph = FunctionGraph(inputs, outputs, clone=False)
+    return fgraph, fgraph.toposort()
+
+
+def as_sets(blocks):
+    return {frozenset(block) for block in blocks}
+
+
+def in_node_order(blocks, nodes):
+    position = {n: i for i, n in enumerate(nodes)}
+    firsts = [position[block[0]] for block in blocks]
+    return firsts == sorted(firsts) and all(
+        [position[n] for n in block] == sorted(position[n] for n in block) for block in blocks
+    )
+
+
+def test_anchor_pass_on_a_tiny_dag():
+    # 0 -> 1 -> 3 -> 5 and 0 -> 2 -> 3; 4 stands apart; the anchors are 1, 2 and 5
+    preds = [(), (0,), (0,), (1, 2), (), (3,)]
+    above, below = anchors_around(range(6), preds, {1, 2, 5}.__contains__)
+    assert [set(above[i]) for i in range(6)] == [set(), set(), set(), {1, 2}, set(), {1, 2}]
+    assert [set(below[i]) for i in range(6)] == [{1, 2, 5}, {5}, {5}, {5}, set(), set()]
+    # the same DAG given as a mapping, in another topological order
+    order = [4, 0, 2, 1, 3, 5]
+    above2, below2 = anchors_around(order, dict(enumerate(preds)), {1, 2, 5}.__contains__)
+    assert above2 == above and below2 == below
+
+
+def test_colour_groups_cheap_nodes_by_their_anchors_above_and_below():
+    x = pt.vector("x")
+    a, b = pt.exp(x), pt.sin(x)  # no anchor above, the heavy node below: one colour
+    s = a + b
+    h = Scale()(s)
+    c, d = pt.cos(h), pt.sqr(h)  # the heavy node above, none below: another colour
+    t = pt.tanh(x)  # no anchor at all
+    _, nodes = graph_nodes([x], [c, d, t])
+    weights = {n: node_weight(n, float("inf")) for n in nodes}
+    groups = colour(weights)
+    assert as_sets(groups) == {
+        frozenset({a.owner, b.owner, s.owner}),
+        frozenset({h.owner}),
+        frozenset({c.owner, d.owner}),
+        frozenset({t.owner}),
+    }
+    assert in_node_order(groups, nodes)
+
+
+def test_colour_keeps_every_anchor_alone():
+    x = pt.vector("x")
+    a = pt.exp(x)
+    b = pt.sin(a)  # two costly nodes in a row: each is a group of its own
+    _, nodes = graph_nodes([x], [b])
+    weights = {n: Weight("costly", "test") for n in nodes}
+    assert as_sets(colour(weights)) == {frozenset({a.owner}), frozenset({b.owner})}
+
+
+def test_fuse_chains_merges_a_linear_chain_but_never_across_a_heavy_node():
+    x = pt.vector("x")
+    n1 = pt.exp(x)
+    n2 = pt.sin(n1)
+    h = Scale()(n2)
+    n4 = pt.cos(h)
+    n5 = pt.tanh(n4)
+    n6, n7 = pt.sqr(n5), pt.abs(n5)  # n5 has two consumers: the chain ends there
+    _, nodes = graph_nodes([x], [n6, n7])
+    weights = {n: Weight("costly", "test") for n in nodes}
+    weights[h.owner] = Weight("heavy", "test")
+    fused = fuse_chains([[n] for n in nodes], weights)
+    assert as_sets(fused) == {
+        frozenset({n1.owner, n2.owner}),
+        frozenset({h.owner}),
+        frozenset({n4.owner, n5.owner}),
+        frozenset({n6.owner}),
+        frozenset({n7.owner}),
+    }
+    assert in_node_order(fused, nodes)
+
+
+def caller_stage_graph():
+    """Each node its own block around two heavy calls: stages of every role."""
+    x, y = pt.vector("x"), pt.vector("y")
+    a, b = pt.exp(x), pt.sin(y)  # two independent stages feeding the cluster
+    s = a + b
+    h = Scale()(s)
+    e = pt.exp(h)  # between the two heavy calls
+    h2 = Scale(3.0)(e)
+    c, d = pt.cos(h), pt.sqr(h)  # after
+    t, u = pt.tanh(x), pt.tanh(y)  # beside
+    fgraph, nodes = graph_nodes([x, y], [h2, c, d, t, u])
+    weights = {n: node_weight(n, float("inf")) for n in nodes}
+    blocks = fuse_caller_stages([[n] for n in nodes], weights)
+    return fgraph, nodes, weights, blocks, locals()
+
+
+def test_fuse_caller_stages_merges_the_stages_of_each_role_into_one():
+    _, nodes, _, blocks, v = caller_stage_graph()
+    assert as_sets(blocks) == {
+        frozenset({v["a"].owner, v["b"].owner, v["s"].owner}),
+        frozenset({v["h"].owner}),
+        frozenset({v["e"].owner}),
+        frozenset({v["h2"].owner}),
+        frozenset({v["c"].owner, v["d"].owner}),
+        frozenset({v["t"].owner, v["u"].owner}),
+    }
+    assert in_node_order(blocks, nodes)
+
+
+def test_make_plan_orders_and_places_the_blocks():
+    fgraph, _, weights, blocks, v = caller_stage_graph()
+    plan = make_plan(fgraph, blocks, weights)
+    role = {n: t.role for t in plan.tasks for n in t.nodes}
+    assert [role[v[k].owner] for k in ("a", "h", "e", "h2", "c", "t")] == [
+        "before",
+        "cluster",
+        "cluster",
+        "cluster",
+        "after",
+        "beside",
+    ]
+    task = {n: t.index for t in plan.tasks for n in t.nodes}
+    assert plan.tasks[task[v["h2"].owner]].deps == (task[v["e"].owner],)
+    for t in plan.tasks:
+        assert all(d < t.index for d in t.deps)
