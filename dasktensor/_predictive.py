@@ -2,7 +2,8 @@
 
 ``pm.sample_posterior_predictive`` evaluates its forward function once per draw in a
 Python loop.  Here the same function is obtained from PyMC itself, then vectorised over
-(chain, draw) and evaluated in chunks by :mod:`dasktensor._pmap`:
+(chain, draw) (:mod:`dasktensor._vectorize`) and evaluated in chunks on Dask
+(:mod:`dasktensor._chunks`), as ``pmap`` does:
 
 1. PyMC runs on the first draw of the first chain only.  While it does, dasktensor keeps the
    forward function PyMC compiles (``compile_forward_sampling_function``): its inputs are
@@ -23,6 +24,11 @@ import math
 import threading
 import weakref
 from collections.abc import Sequence
+
+from pytensor.graph.basic import equal_computations
+
+from dasktensor._chunks import _as_dask, _split, auto_chunk, compute_arrays, map_blocks
+from dasktensor._vectorize import Vectorized
 
 _capture_lock = threading.Lock()
 
@@ -76,10 +82,6 @@ _cache_lock = threading.Lock()
 def _vectorized(model, inputs: list, outputs: list):
     """The vectorised forward graph of ``inputs -> outputs`` and its fixed inputs' values,
     from the cache when an earlier call had the same graph."""
-    from pytensor.graph.basic import equal_computations
-
-    from dasktensor._pmap import Vectorized
-
     with _cache_lock:
         entries = _vectorized_cache.setdefault(model, [])
         for i, (ins, outs, vec) in enumerate(entries):
@@ -133,10 +135,8 @@ def _sample_chunks(n_chains: int, n_draws: int, per_chunk: int):
     """Chunks of the (chain, draw) axes holding about ``per_chunk`` draws each."""
     if per_chunk >= n_draws:
         chains = max(1, min(n_chains, per_chunk // n_draws))
-        full, rest = divmod(n_chains, chains)
-        return (chains,) * full + ((rest,) if rest else ()), (n_draws,)
-    full, rest = divmod(n_draws, per_chunk)
-    return (1,) * n_chains, (per_chunk,) * full + ((rest,) if rest else ())
+        return _split(n_chains, chains), (n_draws,)
+    return (1,) * n_chains, _split(n_draws, per_chunk)
 
 
 def sample_posterior_predictive(
@@ -209,8 +209,6 @@ def sample_posterior_predictive(
     import pymc as pm
     import xarray as xr
 
-    from dasktensor._pmap import _as_dask, auto_chunk, map_blocks
-
     model = pm.modelcontext(model)
     posterior = _groups(idata)["posterior"]
     n_chains, n_draws = posterior.sizes["chain"], posterior.sizes["draw"]
@@ -268,8 +266,6 @@ def sample_posterior_predictive(
 def _compute(dataset, client, progressbar: bool):
     """The dataset with its Dask-backed variables computed into NumPy arrays."""
     import dask.array as da
-
-    from dasktensor._pmap import compute_arrays
 
     names = [n for n, v in dataset.data_vars.items() if isinstance(v.data, da.Array)]
     values = compute_arrays([dataset[n].data for n in names], client, progressbar)
