@@ -197,26 +197,8 @@ class annotate:
     ...     return pt.exp(v) + 1
     """
 
-    def __init__(
-        self,
-        *,
-        resources=None,
-        retries=None,
-        priority=None,
-        workers=None,
-        allow_other_workers=False,
-        mode=None,
-        name=None,
-    ):
-        self.placement = Placement.of(
-            "annotate",
-            resources=resources,
-            retries=retries,
-            priority=priority,
-            workers=workers,
-            allow_other_workers=allow_other_workers,
-            mode=mode,
-        )
+    def __init__(self, *, name=None, **placement):
+        self.placement = Placement.of("annotate", **placement)
         self.name = None if name is None else check_name(name, "annotate(name=...)")
         self._nodes: list[Apply] = []
         self._variables: list[Variable] = []

@@ -30,10 +30,10 @@ def check_name(name, owner: str, what: str = "it prefixes Dask keys") -> str:
     --------
     >>> check_name("ode-solve", "annotate(name=...)")
     'ode-solve'
-    >>> check_name("solve_1", "annotate(name=...)")
+    >>> check_name("solve_1", "annotate(name=...)")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: annotate(name=...) expected letters and dashes (it prefixes Dask keys), got 'solve_1'
+    ValueError: annotate(name=...) expected letters and dashes (...), got 'solve_1'
     """
     if not (isinstance(name, str) and _LABEL.match(name)):
         raise ValueError(f"{owner} expected letters and dashes ({what}), got {name!r}")
@@ -159,7 +159,17 @@ class Placement:
         Traceback (most recent call last):
         ...
         TypeError: annotate(priority=...) expected an integer, got 'high'
+        >>> Placement.of("annotate", resource={"GPU": 1})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: annotate() got an unexpected keyword argument 'resource'; the placement...
         """
+        unknown = sorted(set(options) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(
+                f"{owner}() got an unexpected keyword argument {unknown[0]!r}; the placement "
+                f"options are {', '.join(f.name for f in fields(cls))}"
+            )
         try:
             return cls(**options)
         except (TypeError, ValueError) as e:

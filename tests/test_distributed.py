@@ -46,7 +46,8 @@ def test_annotated_tasks_run_only_on_the_worker_with_the_resource(mixed_cluster)
         client.wait_for_workers(2)
         f = dt.function([x], sum(outs), scheduler=client)
         on_gpu = [t for t in f.plan.tasks if t.name == "on-gpu"]
-        assert len(on_gpu) == 4 and all(t.placement == dt.Placement(resources={"GPU": 1}) for t in on_gpu)
+        assert len(on_gpu) == 4
+        assert all(t.placement == dt.Placement(resources={"GPU": 1}) for t in on_gpu)
         xv = np.linspace(0, 1, 5)
         with get_task_stream(client) as ts:
             for _ in range(3):
