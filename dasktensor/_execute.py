@@ -7,19 +7,24 @@ argument, then ``dask.config`` ``scheduler``, then the default distributed ``Cli
 
 * **A local scheduler** (the threaded one by default, or any ``dask.typing``
   scheduler-get callable such as ``dask.get``): the whole task graph goes to it.
-* **A distributed Client**: cheap stages whose inputs are on the caller run on the caller;
+* **A distributed Client, the channel path** (``dasktensor.execute.path: channel``): the
+  graph runs on the caller's threads, and each cluster task is a *resident stage*
+  (:mod:`dasktensor._resident`): compiled once on the workers and called through the
+  remote-call channel, ~1 ms a call instead of a task's ~13 ms.
+* **A distributed Client, the task path** (``tasks``, every call in Dask's task stream):
+  cheap stages whose inputs are on the caller run on the caller;
   cluster tasks (heavy and costly work, and cheap stages between two of them) are submitted
   at once with their placement; their results are gathered once, and the cheap stages
   after them run on the caller.  One evaluation costs one round of concurrent remote work,
   not one scheduler round trip per stage.
-* **A distributed Client and remote-model calls** (tasks of role ``remote``): the calls are
-  made from the caller, straight to the workers holding their models, so the graph runs on
-  the caller's threads as with a local scheduler, and its cluster tasks are submitted from
-  there, each as its inputs are ready.
+  On this path, a plan with remote-model calls (tasks of role ``remote``, made from the
+  caller straight to the workers holding their models) runs on the caller's threads as
+  with a local scheduler, and its cluster tasks are submitted from there, each as its
+  inputs are ready.
 
-Both client paths submit through :func:`dasktensor._cluster.submit`.  Every call uses fresh
-task keys (``<name>-<task>-<call token>``): keys reused across calls can return the
-previous call's results.
+Every task that is submitted goes through :func:`dasktensor._cluster.submit`.  Every call
+uses fresh task keys (``<name>-<task>-<call token>``): keys reused across calls can return
+the previous call's results.
 
 Nothing here holds a live ``Client`` across pickling or ``fork``: a function keeps a
 :class:`~dasktensor._cluster.SchedulerRef` and reconnects lazily in each process.
@@ -36,10 +41,14 @@ import dask.threaded
 from dask.task_spec import Task as DaskTask
 from pytensor.compile.sharedvalue import SharedVariable
 
+from dasktensor import _config
 from dasktensor._cluster import SchedulerRef, check_resources, submit
 from dasktensor._placement import Placement
 from dasktensor._plan import Plan
-from dasktensor._translate import TaskGraph, _run
+from dasktensor._resident import ResidentStages
+from dasktensor._translate import TaskGraph, _run, picked
+
+_PATHS = ("channel", "tasks")
 
 _SCATTER_BYTES = 1 << 18
 
@@ -57,30 +66,62 @@ class PlanExecutor:
         self.has_remote_calls = any(t.role == "remote" for t in plan.tasks)
         # (client id, input position) -> (value, future of it on the cluster)
         self._resident: dict[tuple[int, int | None], tuple[Any, Any]] = {}
+        # client id -> the resident stages of this function on that cluster
+        self._stages: dict[int, ResidentStages] = {}
 
     def __call__(self, *values):
         kind, scheduler = self.scheduler.resolve()
         if kind == "get":
             return self._run_graph(scheduler, self.graph.graph(values), values)
+        if execution_path() == "channel":
+            return self._run_graph_calling(scheduler, values)
         if self.has_remote_calls:
             return self._run_graph_submitting(scheduler, values)
         return self._run_on_client(scheduler, values)
 
     # -- a local scheduler ----------------------------------------------------------------
 
-    def _run_graph(self, get, graph: tuple[dict, list[str]], values):
+    def _run_graph(self, get, graph: tuple[dict, list[str]], values, waiting: int | None = None):
+        """The whole graph on ``get``; ``waiting`` tasks wait on the network (a thread each)."""
         dsk, keys = graph
         needed = sorted(self.graph.task_outputs_needed())
         kwargs = {}
-        n_remote = sum(t.role == "remote" for t in self.plan.tasks)
-        if n_remote and get is dask.threaded.get:
+        if waiting is None:
+            waiting = sum(t.role == "remote" for t in self.plan.tasks)
+        if waiting and get is dask.threaded.get:
             # remote calls wait on the network, not on a core: one thread for each
-            kwargs["num_workers"] = max(os.cpu_count() or 1, n_remote)
+            kwargs["num_workers"] = max(os.cpu_count() or 1, waiting)
         got = get(dsk, [keys[i] for i in needed], **kwargs)
         results: list = [None] * len(keys)
         for i, r in zip(needed, got):
             results[i] = r
         return self.graph.outputs(values, results)
+
+    # -- a client: resident stages called through the channel ------------------------------
+
+    def _run_graph_calling(self, client, values):
+        """The graph on the caller's threads; cluster tasks called as resident stages."""
+        dsk, keys = self.graph.graph(values)
+        cluster = [t for t in self.plan.tasks if t.role == "cluster"]
+        check_resources(client, [t.placement for t in cluster])
+        stages = self._stages.get(id(client))
+        if stages is None:
+            resident = [t for t in cluster if t.placement.workers is None]
+            stages = self._stages[id(client)] = ResidentStages(
+                resident, self.graph.runners, client
+            )
+        for t in cluster:
+            key = keys[t.index]
+            _, picks, *deps = dsk[key].args  # (runner, picks, *deps)
+            if t.index in stages.models:
+                dsk[key] = DaskTask(key, _call_stage, stages, t.index, picks, *deps)
+            else:  # pinned to workers: a Dask task
+                runner = self.graph.runners[t.index]
+                dsk[key] = DaskTask(
+                    key, _submit_and_wait, client, key, t.placement, runner, picks, *deps
+                )
+        waiting = len(cluster) + sum(t.role == "remote" for t in self.plan.tasks)
+        return self._run_graph(dask.threaded.get, (dsk, keys), values, waiting)
 
     # -- a client, with remote-model calls made from here ----------------------------------
 
@@ -187,6 +228,22 @@ class PlanExecutor:
                 if key in shared_pos:
                     self._resident[(id(client), shared_pos[key])] = (large[key], future)
         return out
+
+
+def execution_path() -> str:
+    """``dasktensor.execute.path``, checked: ``"channel"`` or ``"tasks"``."""
+    path = _config.get("execute.path")
+    if path not in _PATHS:
+        raise ValueError(
+            f"dask.config 'dasktensor.execute.path' expected one of {', '.join(_PATHS)}, "
+            f"got {path!r}"
+        )
+    return path
+
+
+def _call_stage(stages: ResidentStages, index: int, picks, *deps):
+    """Task body on the caller: call a resident stage and wait for its outputs."""
+    return stages.call(index, picked(picks, deps))
 
 
 def _submit_and_wait(client, key: str, placement: Placement, runner, picks, *deps):

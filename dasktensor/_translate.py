@@ -36,13 +36,18 @@ from dasktensor._plan import Plan
 from dasktensor._runners import TaskRunner
 
 
-def _run(runner: TaskRunner, picks: tuple, *deps):
-    """Task body: pick the runner's inputs out of its dependencies' values and run it.
+def picked(picks: tuple, deps: Sequence) -> list:
+    """A runner's inputs, picked out of its dependencies' values.
 
     ``picks[i]`` is ``(position, output)``: input ``i`` is ``deps[position][output]``, or
     ``deps[position]`` itself when ``output`` is ``None`` (a value given by the caller).
     """
-    return runner(*[deps[p] if j is None else deps[p][j] for p, j in picks])
+    return [deps[p] if j is None else deps[p][j] for p, j in picks]
+
+
+def _run(runner: TaskRunner, picks: tuple, *deps):
+    """Task body: run the runner on the inputs picked out of its dependencies' values."""
+    return runner(*picked(picks, deps))
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,16 @@
 """A corpus of PyTensor graphs, each checked against PyTensor's default mode.
 
-Every graph runs through :func:`oracle.assert_matches_default` under five execution
+Every graph runs through :func:`oracle.assert_matches_default` under seven execution
 settings (the ``run`` fixture):
 
 * ``threads`` / ``sync`` / ``client``: the default planner threshold, with Dask's threaded
-  scheduler, the synchronous one, and a distributed Client of worker processes;
-* ``heavy0-threads`` / ``heavy0-client``: ``heavy_flops=0``, so that every node whose
-  static shapes are known is "costly" and the planner cuts the graph into many tasks
-  (partitioning, in-place Ops across task boundaries, multi-output tasks).
+  scheduler, the synchronous one, and a distributed Client of worker processes (cluster
+  tasks submitted as Dask tasks, ``dasktensor.execute.path: tasks``);
+* ``channel``: the same Client, cluster tasks called as resident stages through the
+  remote-call channel (``dasktensor.execute.path: channel``);
+* ``heavy0-threads`` / ``heavy0-client`` / ``heavy0-channel``: ``heavy_flops=0``, so that
+  every node whose static shapes are known is "costly" and the planner cuts the graph into
+  many tasks (partitioning, in-place Ops across task boundaries, multi-output tasks).
 
 Graphs use static shapes (the cost rule needs them) and tiny arrays (the Numba line
 compiles every stage).  ``IdentHeavy`` is a copying identity marked heavy: inserted in the
@@ -19,6 +22,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+import dask
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
@@ -118,21 +122,24 @@ class Setting:
         )
 
 
-SETTINGS = {
-    "threads": (None, None),
-    "sync": ("sync", None),
-    "client": ("client", None),
-    "heavy0-threads": (None, 0),
-    "heavy0-client": ("client", 0),
+SETTINGS = {  # name: (scheduler, heavy_flops, dasktensor.execute.path)
+    "threads": (None, None, "tasks"),
+    "sync": ("sync", None, "tasks"),
+    "client": ("client", None, "tasks"),
+    "channel": ("client", None, "channel"),
+    "heavy0-threads": (None, 0, "tasks"),
+    "heavy0-client": ("client", 0, "tasks"),
+    "heavy0-channel": ("client", 0, "channel"),
 }
 
 
 @pytest.fixture(params=list(SETTINGS))
 def run(request) -> Setting:
-    scheduler, heavy_flops = SETTINGS[request.param]
+    scheduler, heavy_flops, path = SETTINGS[request.param]
     if scheduler == "client":
         scheduler = request.getfixturevalue("client")
-    return Setting(request.param, scheduler, heavy_flops)
+    with dask.config.set({"dasktensor.execute.path": path}):
+        yield Setting(request.param, scheduler, heavy_flops)
 
 
 def check_plan(f, run: Setting, *, heavy: int = 0, splits: bool | None = True) -> None:

@@ -1,0 +1,172 @@
+"""Resident stages: cluster tasks compiled once on the workers and called through the channel.
+
+``dasktensor.execute.path: channel``.  The corpus runs on this path too
+(``tests/test_corpus.py``, settings ``channel`` and ``heavy0-channel``); here: what is
+specific to it, on real worker processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+
+import dask
+import numpy as np
+import pytensor
+import pytensor.tensor as pt
+import pytest
+from _ops import Scale
+from dask.utils import key_split
+from distributed import Client, LocalCluster, get_task_stream
+
+import dasktensor as dt
+
+CHANNEL = {"dasktensor.execute.path": "channel"}
+
+
+def _stages_here(dask_worker) -> dict[str, tuple[str, int]]:
+    """On a worker: its resident stages, ``{model key: (task name, bytes received)}``."""
+    from dasktensor._resident import StageServer
+
+    host = dask_worker.plugins.get("dasktensor-models")
+    replicas = getattr(host, "replicas", {})
+    return {
+        key: (key.rsplit("-", 1)[0], r.model.received)
+        for key, r in replicas.items()
+        if isinstance(r.model, StageServer)
+    }
+
+
+def stages_on(client) -> dict[str, dict[str, tuple[str, int]]]:
+    return client.run(_stages_here)
+
+
+def branches(weights):
+    """Two annotated branches reading a large shared matrix, and their sum."""
+    x = pt.dvector("x")
+    outs = []
+    for k in range(2):
+        with dt.annotate(name="branch"):
+            outs.append(pt.tanh(weights @ pt.exp(x * (k + 1.0))).sum())
+    return x, outs[0] + outs[1]
+
+
+def test_stages_are_built_once_per_worker_and_called_outside_the_task_stream(client):
+    w = pytensor.shared(np.random.default_rng(0).normal(size=(50, 8)), name="w")
+    x, out = branches(w)
+    f = dt.function([x], out, scheduler=client)
+    ref = pytensor.function([x], out)
+    xv = np.linspace(0, 0.1, 8)
+    with dask.config.set(CHANNEL), get_task_stream(client) as ts:
+        for _ in range(5):
+            np.testing.assert_allclose(f(xv), ref(xv), rtol=1e-12)
+    names = [key_split(r["key"]) for r in ts.data]
+    # the two branch stages are built (once per worker each), never submitted as tasks
+    assert sorted(names) == ["build-branch"] * 4, names
+    held = stages_on(client)
+    assert all(sorted(n for n, _ in s.values()) == ["branch", "branch"] for s in held.values())
+
+
+def test_large_data_stays_on_the_workers_until_it_changes(client):
+    data = np.random.default_rng(1).normal(size=(400, 100)) * 0.1  # 320 kB: kept resident
+    w = pytensor.shared(data, name="w")
+    x, out = branches(w)
+    f = dt.function([x], out, scheduler=client)
+    ref = pytensor.function([x], out)
+    xv = np.linspace(0, 0.1, 100)
+    with dask.config.set(CHANNEL):
+        f(xv)
+        received = sum(b for s in stages_on(client).values() for _, b in s.values())
+        assert data.nbytes <= received <= 4 * data.nbytes  # sent to a replica at most once
+        for _ in range(6):
+            np.testing.assert_allclose(f(xv), ref(xv), rtol=1e-12)
+        again = sum(b for s in stages_on(client).values() for _, b in s.values())
+        assert again <= 4 * data.nbytes  # the later calls sent tokens, not the matrix
+        # every replica has it now: calls send nothing large any more
+        settled = again
+        for _ in range(4):
+            f(xv)
+        assert sum(b for s in stages_on(client).values() for _, b in s.values()) == settled
+        w.set_value(data * 2)  # a new value: sent again, and used
+        np.testing.assert_allclose(f(xv), ref(xv), rtol=1e-12)
+        after = sum(b for s in stages_on(client).values() for _, b in s.values())
+        assert after > settled
+
+
+def test_stages_follow_their_placement(mixed_cluster):
+    x = pt.vector("x")
+    with dt.annotate(resources={"GPU": 1}, name="on-gpu"):
+        y = pt.exp(x)
+    out = y.sum() + Scale(2.0)(x).sum()
+    with Client(mixed_cluster, set_as_default=False) as client:
+        client.wait_for_workers(2)
+        f = dt.function([x], out, scheduler=client)
+        with dask.config.set(CHANNEL):
+            np.testing.assert_allclose(f(np.zeros(3)), 3.0)
+        (gpu,) = [
+            a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["resources"]
+        ]
+        where = {
+            address: sorted(name for name, _ in s.values())
+            for address, s in stages_on(client).items()
+        }
+    assert "on-gpu" in where[gpu]
+    assert all("on-gpu" not in names for a, names in where.items() if a != gpu)
+
+
+@pytest.fixture(scope="module")
+def mixed_cluster():
+    """Two worker processes: one offers {"GPU": 1}."""
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    worker = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1"}}
+    gpu = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "resources": {"GPU": 1}}}
+    cluster = SpecCluster(
+        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}},
+        workers={"cpu": worker, "gpu": gpu},
+    )
+    yield cluster
+    cluster.close()
+
+
+def test_a_killed_worker_costs_a_rebuild_not_a_wrong_answer():
+    x = pt.vector("x")
+    out = Scale(2.0, delay=0.2)(x).sum() + Scale(3.0, delay=0.2)(x).sum()
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=None
+        ) as cluster,
+        Client(cluster, set_as_default=False) as client,
+        dask.config.set(CHANNEL),
+    ):
+        f = dt.function([x], out, scheduler=client)
+        assert float(f(np.ones(2))) == 10.0
+        victim = next(iter(client.run(os.getpid).values()))
+        os.kill(victim, signal.SIGKILL)
+        for k in range(3):  # the stages it held are rebuilt where Dask has workers
+            assert float(f(np.full(2, k + 2.0))) == 10.0 * (k + 2)
+
+
+def test_stages_are_released_with_their_function(client):
+    w = pytensor.shared(np.ones((4, 3)), name="w")
+    x, out = branches(w)
+    f = dt.function([x], out, scheduler=client)
+    with dask.config.set(CHANNEL):
+        f(np.zeros(3))
+    keys = {key for s in stages_on(client).values() for key in s}
+    assert keys
+    del f
+    gc.collect()
+    left = {key for s in stages_on(client).values() for key in s}
+    assert not keys & left
+
+
+def test_an_unknown_path_is_refused_naming_the_setting(client):
+    x, out = branches(pytensor.shared(np.ones((2, 2))))
+    f = dt.function([x], out, scheduler=client)
+    with (
+        dask.config.set({"dasktensor.execute.path": "fast"}),
+        pytest.raises(ValueError, match=r"'dasktensor.execute.path' expected one of channel"),
+    ):
+        f(np.zeros(2))
