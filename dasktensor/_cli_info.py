@@ -17,6 +17,7 @@ import warnings
 import dask
 from dask.utils import format_bytes
 
+from dasktensor._cluster import calls_link
 from dasktensor._connect import _configured_address, connect
 
 #: packages whose versions ``dasktensor info`` compares (``python`` is the interpreter)
@@ -118,6 +119,7 @@ def cluster_report(client) -> str:
     lines = [
         f"Scheduler:  {info['address']}",
         f"Dashboard:  {dashboard}",
+        f"Calls page: {calls_link(client) or 'none'}",
         f"Workers:    {len(workers)} ({threads} thread(s), memory limit {memory})",
     ]
     rows = [("address", "name", "threads", "memory limit", "resources")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dask
 
 from dasktensor import _config
+from dasktensor._cluster import show_calls_page
 
 
 def _configured_address() -> str | None:
@@ -115,7 +116,9 @@ def connect(
     Returns
     -------
     distributed.Client
-        ``client.dashboard_link`` is the dashboard's address.
+        ``client.dashboard_link`` is the dashboard's address; ``dt.calls_link(client)``
+        its page of remote-model calls and resident stages (``/dasktensor/calls``), which
+        the task stream does not show.
 
     Raises
     ------
@@ -147,9 +150,11 @@ def connect(
         tls = str(address).startswith("tls://")
         try:
             _handshake(address, security, timeout_s)
-            return Client(
+            client = Client(
                 address, security=security, timeout=timeout_s, set_as_default=set_as_default
             )
+            show_calls_page(client)
+            return client
         except TypeError as e:
             if not tls:
                 raise
@@ -220,12 +225,17 @@ def connect(
     with dask.config.set(no_workers):
         if security is None:
             # the client starts the cluster and stops it when it closes
-            return Client(
+            client = Client(
                 timeout=timeout_s, set_as_default=set_as_default, protocol="tcp://", **kwargs
             )
-        from distributed import LocalCluster
+        else:
+            from distributed import LocalCluster
 
-        cluster = LocalCluster(security=security, protocol="tls://", **kwargs)
-        # client.shutdown() stops this cluster with the client
-        return Client(cluster, security=security, timeout=timeout_s, set_as_default=set_as_default)
+            cluster = LocalCluster(security=security, protocol="tls://", **kwargs)
+            # client.shutdown() stops this cluster with the client
+            client = Client(
+                cluster, security=security, timeout=timeout_s, set_as_default=set_as_default
+            )
+    show_calls_page(client)
+    return client
 

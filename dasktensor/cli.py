@@ -19,6 +19,7 @@ import warnings
 import numpy as np
 
 from dasktensor import _cli_bench, _cli_info, _demo
+from dasktensor._cluster import calls_link
 from dasktensor._connect import connect
 
 
@@ -41,6 +42,7 @@ def _run_demo(args) -> int:
         import pymc as pm
 
         print(f"Dashboard: {client.dashboard_link}")
+        print(f"Remote calls (not in the task stream): {calls_link(client)}")
         n_workers = len(client.scheduler_info()["workers"])
         t0 = time.perf_counter()
         models = _demo.remote_sites(args.models, args.delay, seed=args.seed)

@@ -37,6 +37,7 @@ from distributed.core import error_message
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import sync
 
+from dasktensor_worker.calllog import LOG_HANDLER, CallLog
 from dasktensor_worker.codec import CALL_HANDLER
 from dasktensor_worker.replica import Replica
 
@@ -70,6 +71,8 @@ class ModelHost(WorkerPlugin):
         self.builds: dict[str, int] = {}  # how many times each model was built here
         self.lock = threading.Lock()
         self.closed = False
+        #: the calls this worker answered, for the dashboard (``dasktensor_worker.calllog``)
+        self.calls = CallLog()
 
     def __reduce__(self):  # travels (to register_plugin's workers) as a new, empty host
         return (type(self), ())
@@ -78,10 +81,12 @@ class ModelHost(WorkerPlugin):
 
     def setup(self, worker) -> None:
         worker.handlers[CALL_HANDLER] = self.handle_call
+        worker.handlers[LOG_HANDLER] = self.calls.handle
 
     def teardown(self, worker) -> None:
-        if worker.handlers.get(CALL_HANDLER) == self.handle_call:
-            del worker.handlers[CALL_HANDLER]
+        for name, handler in ((CALL_HANDLER, self.handle_call), (LOG_HANDLER, self.calls.handle)):
+            if worker.handlers.get(name) == handler:
+                del worker.handlers[name]
         self.closed = True
         # swapped, not locked: a build holding the lock may run a slow factory, and this
         # runs on the worker's event loop
@@ -121,10 +126,14 @@ class ModelHost(WorkerPlugin):
         replica = self.replicas.get(key)
         if replica is None:
             return {"status": "missing"}
+        start, status = self.calls.started(replica.name), "error"
         try:
             result = await replica.run(method, args)
+            status = "OK"
         except Exception as e:  # the model's own error: sent to the caller, not raised here
             return error_message(e)
+        finally:
+            self.calls.finished(replica.name, method, start, status)
         return {"status": "OK", "result": result}
 
 

@@ -49,6 +49,7 @@ class Replica:
 
     def __init__(self, model, concurrency: int, name: str, inline_below: float):
         self.model = model
+        self.name = name
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=concurrency, thread_name_prefix=f"dasktensor-{name}"
         )

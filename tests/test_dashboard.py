@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -393,3 +394,108 @@ def test_task_stream_page_shows_dasktensor_task_names(chromium, dashboard_client
     assert any(key.startswith("scale-heavy-") for key in keys)
     # what a person sees when pointing at a task: its name in the rendered tooltip
     assert "scale-heavy:" in tooltip
+
+
+# ----------------------------------------------------------------------------- calls page
+
+CALLS_TABLE_JS = """
+(() => Array.from(document.querySelectorAll("#models tbody tr")).map((row) => ({
+  model: row.dataset.model,
+  calls: Number(row.querySelector(".calls").textContent),
+  bars: document.querySelectorAll("#stream rect.call").length,
+})))()
+"""
+
+
+class Sampler:
+    """``pm.sample`` in a background thread, its likelihood two remote models."""
+
+    def __init__(self, client):
+        import pymc as pm
+
+        from dasktensor._demo import Site
+
+        self.models = [
+            dt.RemoteModel(
+                functools.partial(Site, seed, 0.005), name=f"site-{tag}", scheduler=client
+            )
+            for seed, tag in enumerate("ab")
+        ]
+        ops = [m.logp_grad_op("logp_grad", [pt.dvector]) for m in self.models]
+        with pm.Model() as self.model:
+            params = pm.Normal("params", 0.0, 1.0, shape=2)
+            for k, op in enumerate(ops):
+                pm.Potential(f"site_{k}", op(params)[0])
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="dashboard-sampler", daemon=True)
+
+    def _run(self):
+        import pymc as pm
+
+        try:
+            with self.model:
+                pm.sample(
+                    draws=150, tune=150, chains=1, cores=1, progressbar=False, random_seed=1
+                )
+        except BaseException as e:
+            self.error = e
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.thread.join(timeout=120)
+        for m in self.models:
+            m.close()
+
+
+async def look_at_calls_page(browser_url: str, page_url: str, sampler: Sampler):
+    """Load the calls page while the sampler runs; return its table and a screenshot."""
+    from tornado.websocket import websocket_connect
+
+    ws = await websocket_connect(browser_url, max_message_size=1 << 27)
+    cdp = DevTools(ws)
+    try:
+        target = await cdp.send("Target.createTarget", url="about:blank")
+        attached = await cdp.send(
+            "Target.attachToTarget", targetId=target["targetId"], flatten=True
+        )
+        page = attached["sessionId"]
+        await cdp.send("Page.navigate", page, url=page_url)
+
+        async def both_models_called():
+            if sampler.error is not None:
+                raise sampler.error
+            rows = await cdp.evaluate(page, CALLS_TABLE_JS) or []
+            calls = {r["model"]: r["calls"] for r in rows}
+            running = sampler.thread.is_alive()
+            ok = all(calls.get(m, 0) >= 20 for m in ("site-a", "site-b"))
+            return rows if ok and running and rows[0]["bars"] > 0 else None
+
+        rows = await until("the sampler's calls on the calls page", both_models_called, 90)
+        await cdp.evaluate(page, NEXT_FRAME_JS)
+        shot = await cdp.send("Page.captureScreenshot", page, format="png")
+        return rows, base64.b64decode(shot["data"])
+    finally:
+        ws.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_calls_page_shows_remote_models_while_a_sampler_runs(chromium, dashboard_client, tmp_path):
+    base = dashboard_client.dashboard_link.rsplit("/", 1)[0]
+    with Sampler(dashboard_client) as sampler:
+        rows, png = asyncio.run(
+            asyncio.wait_for(
+                look_at_calls_page(chromium, f"{base}/dasktensor/calls", sampler), 150
+            )
+        )
+    assert sampler.error is None
+    (tmp_path / "calls.png").write_bytes(png)
+    if os.environ.get("DASKTENSOR_SCREENSHOT_DIR"):
+        shutil.copy(tmp_path / "calls.png", os.environ["DASKTENSOR_SCREENSHOT_DIR"])
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    models = {r["model"]: r["calls"] for r in rows}
+    assert set(models) == {"site-a", "site-b"}
+    assert min(models.values()) >= 20

@@ -30,7 +30,13 @@ import time
 import uuid
 
 from dasktensor import _config
-from dasktensor._cluster import check_resources, offers, scheduler_workers, submit
+from dasktensor._cluster import (
+    check_resources,
+    offers,
+    scheduler_workers,
+    show_calls_page,
+    submit,
+)
 from dasktensor._placement import Placement
 from dasktensor.remote._channel import get_channel
 from dasktensor.remote._policy import choose_replica, home_replica
@@ -80,6 +86,7 @@ class ReplicaSet:
         """Find or build the replicas (called with ``self.lock`` held)."""
         global _process_number
         client = self.spec.client()
+        show_calls_page(client)
         self.addresses = self._find_or_build(client)
         self.checked = time.monotonic()
         self.pool = get_channel().pool(getattr(client, "security", None))

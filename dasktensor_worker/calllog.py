@@ -1,0 +1,81 @@
+"""What a worker's model replicas did: the call log behind the dashboard's calls page.
+
+Calls through the remote-call channel skip the scheduler, so Dask's task stream never sees
+them: a worker busy answering a sampler would look idle.  Each worker's
+:class:`~dasktensor_worker.plugin.ModelHost` therefore records the calls it answers (model,
+method, start, stop, outcome), keeps totals per model and counts the calls in flight.  The
+scheduler's page (:mod:`dasktensor_worker.dashboard`) asks every worker for what happened
+since its last look through the ``dasktensor_call_log`` handler.
+
+Everything here runs on the worker's event loop (the call handler and the log handler are
+coroutines there), so it needs no lock.  The log keeps the last ``maxlen`` calls; a page
+looking less often than that many calls loses the oldest from its picture (the totals
+stay right).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+#: the worker handler the dashboard page asks for records
+LOG_HANDLER = "dasktensor_call_log"
+
+
+class CallLog:
+    """Calls answered by one worker: recent records, totals per model, calls in flight.
+
+    Examples
+    --------
+    >>> log = CallLog()
+    >>> start = log.started("normal")
+    >>> log.since(0.0)["inflight"]
+    {'normal': 1}
+    >>> log.finished("normal", "logp_grad", start, "OK")
+    >>> seen = log.since(0.0)
+    >>> [(r[0], r[1], r[4]) for r in seen["records"]], seen["totals"]["normal"][:2]
+    ([('normal', 'logp_grad', 'OK')], [1, 0])
+    >>> log.since(seen["now"])["records"]  # nothing new since
+    []
+    """
+
+    def __init__(self, maxlen: int = 20_000):
+        #: ``(model name, method, start, stop, status)``, wall-clock seconds
+        self.records: deque[tuple[str, str, float, float, str]] = deque(maxlen=maxlen)
+        #: model name -> ``[calls, errors, seconds]``
+        self.totals: dict[str, list] = {}
+        self.inflight: dict[str, int] = {}
+
+    def started(self, name: str) -> float:
+        """Count a call of model ``name`` in flight; its start time."""
+        self.inflight[name] = self.inflight.get(name, 0) + 1
+        return time.time()
+
+    def finished(self, name: str, method: str | None, start: float, status: str) -> None:
+        """Record a call that ended with ``status`` (``"OK"`` or ``"error"``)."""
+        stop = time.time()
+        self.inflight[name] = max(self.inflight.get(name, 1) - 1, 0)
+        self.records.append((name, method or "__call__", start, stop, status))
+        totals = self.totals.setdefault(name, [0, 0, 0.0])
+        totals[0] += 1
+        totals[1] += status != "OK"
+        totals[2] += stop - start
+
+    def since(self, when: float) -> dict:
+        """The calls that ended after ``when``, the totals, and the calls in flight."""
+        records = []
+        for record in reversed(self.records):  # newest first: stop at the first old one
+            if record[3] <= when:
+                break
+            records.append(list(record))
+        records.reverse()
+        return {
+            "records": records,
+            "totals": {name: list(t) for name, t in self.totals.items()},
+            "inflight": {name: n for name, n in self.inflight.items() if n},
+            "now": time.time(),
+        }
+
+    async def handle(self, since: float = 0.0) -> dict:
+        """The ``dasktensor_call_log`` handler."""
+        return self.since(float(since))
