@@ -39,3 +39,13 @@ def client(process_cluster):
 
     with Client(process_cluster, set_as_default=False) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def mixed_cluster():
+    """Two worker processes: one offers {"GPU": 1}, the other no resources."""
+    from _clusters import mixed_spec_cluster
+
+    cluster = mixed_spec_cluster()
+    yield cluster
+    cluster.close()

@@ -13,7 +13,8 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from distributed import Client, Nanny, Scheduler, SpecCluster
+from _clusters import gpu_worker_address
+from distributed import Client
 
 import dasktensor as dt
 
@@ -91,22 +92,9 @@ def test_a_mode_pytensor_does_not_know_fails_at_annotate_listing_the_known_ones(
     assert repr(mode) in str(info.value)
 
 
-@pytest.fixture(scope="module")
-def gpu_cluster():
-    """Two worker processes: one offers {"GPU": 1} (JAX runs on its CPU here)."""
-    worker = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1"}}
-    gpu = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "resources": {"GPU": 1}}}
-    cluster = SpecCluster(
-        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}},
-        workers={"cpu": worker, "gpu": gpu},
-    )
-    yield cluster
-    cluster.close()
-
-
-def test_the_gpu_stage_compiles_with_jax_on_the_gpu_worker_only(gpu_cluster):
+def test_the_gpu_stage_compiles_with_jax_on_the_gpu_worker_only(mixed_cluster):
     x, outs = surrogate_model(resources={"GPU": 1})
-    with Client(gpu_cluster, set_as_default=False) as client:
+    with Client(mixed_cluster, set_as_default=False) as client:
         client.wait_for_workers(2)
         f = dt.function([x], outs, scheduler=client)
         xv = RNG.normal(size=(5, 4))
@@ -114,9 +102,7 @@ def test_the_gpu_stage_compiles_with_jax_on_the_gpu_worker_only(gpu_cluster):
         for _ in range(2):
             for got, want in zip(f(xv), ref(xv)):
                 np.testing.assert_allclose(got, want, rtol=1e-12)
-        (gpu,) = [
-            a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["resources"]
-        ]
+        gpu = gpu_worker_address(client)
         compiled = client.run(_linkers_here)
     with_jax = {name for name, linkers in compiled.pop(gpu).items() if "JAXLinker" in linkers}
     assert with_jax == {"surrogate", "surrogate-grad"}

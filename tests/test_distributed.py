@@ -7,31 +7,12 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from _clusters import gpu_worker_address
 from _ops import Scale
 from dask.utils import key_split
-from distributed import Client, Nanny, Scheduler, SpecCluster, get_task_stream
+from distributed import Client, get_task_stream
 
 import dasktensor as dt
-
-
-@pytest.fixture(scope="module")
-def mixed_cluster():
-    """Two worker processes: one offers {"GPU": 1}, the other no resources."""
-    worker = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1"}}
-    gpu = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "resources": {"GPU": 1}}}
-    cluster = SpecCluster(
-        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}},
-        workers={"cpu": worker, "gpu": gpu},
-    )
-    yield cluster
-    cluster.close()
-
-
-def gpu_worker_address(client) -> str:
-    (address,) = [
-        a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["resources"]
-    ]
-    return address
 
 
 def test_annotated_tasks_run_only_on_the_worker_with_the_resource(mixed_cluster):

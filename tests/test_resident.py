@@ -16,6 +16,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from _clusters import gpu_worker_address
 from _ops import Scale
 from dask.utils import key_split
 from distributed import Client, LocalCluster, get_task_stream
@@ -104,30 +105,13 @@ def test_stages_follow_their_placement(mixed_cluster):
         f = dt.function([x], out, scheduler=client)
         with dask.config.set(CHANNEL):
             np.testing.assert_allclose(f(np.zeros(3)), 3.0)
-        (gpu,) = [
-            a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["resources"]
-        ]
+        gpu = gpu_worker_address(client)
         where = {
             address: sorted(name for name, _ in s.values())
             for address, s in stages_on(client).items()
         }
     assert "on-gpu" in where[gpu]
     assert all("on-gpu" not in names for a, names in where.items() if a != gpu)
-
-
-@pytest.fixture(scope="module")
-def mixed_cluster():
-    """Two worker processes: one offers {"GPU": 1}."""
-    from distributed import Nanny, Scheduler, SpecCluster
-
-    worker = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1"}}
-    gpu = {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "resources": {"GPU": 1}}}
-    cluster = SpecCluster(
-        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}},
-        workers={"cpu": worker, "gpu": gpu},
-    )
-    yield cluster
-    cluster.close()
 
 
 def test_a_killed_worker_costs_a_rebuild_not_a_wrong_answer():
