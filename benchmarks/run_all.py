@@ -28,6 +28,7 @@ BENCHMARKS = {
     "p6": "bench_p6_predictive",
     "p7": "bench_p7_zarr_memory",
     "p8": "bench_p8_pmap",
+    "p9": "bench_p9_sharding",
 }
 
 

@@ -125,6 +125,7 @@ def function(
     *,
     scheduler=None,
     heavy_flops: float | None = None,
+    shards=None,
     **kwargs,
 ) -> DaskFunction:
     """Compile a PyTensor graph whose independent heavy parts run in parallel on Dask.
@@ -145,6 +146,11 @@ def function(
         e.g. the one made by :func:`dasktensor.connect`, else the threaded scheduler).
     heavy_flops : float, optional
         Threshold of the planner's cost rule (``dasktensor.planner.heavy-flops``).
+    shards : int or bool, optional
+        When the outputs are sums over the rows of data (constants or shared variables)
+        of at least ``dasktensor.shard.min-rows`` rows, a distributed client splits the
+        rows into shards kept on its workers, one per worker (None, the default), ``K``
+        (an int), or none (``False``).  ``print(f.plan)`` says whether and why.
     **kwargs
         Passed to ``pytensor.function`` (but not ``mode``).
 
@@ -162,6 +168,19 @@ def function(
     5.0
     >>> f.plan.single_stage
     True
+
+    A sum over the rows of data is split into shards on a distributed client (without
+    one, as here, it runs in this process unsharded):
+
+    >>> import dask
+    >>> y = pt.constant(np.arange(8.0), name="y")
+    >>> mu = pt.dscalar("mu")
+    >>> with dask.config.set({"dasktensor.shard.min-rows": 4}):
+    ...     g = dt.function([mu], ((y - mu) ** 2).sum(), shards=2)
+    >>> print(g.plan.sharding.splitlines()[0])
+    sharded: into 2 shards (shards=2), over the 8 rows of y (axis 0)
+    >>> float(g(1.0))
+    92.0
     """
     if "mode" in kwargs:
         raise TypeError(
@@ -169,7 +188,7 @@ def function(
             "pytensor.function(..., mode='DASK') or mode=dt.dask_mode(...) to combine "
             "the DASK mode with other pytensor.function options"
         )
-    mode = dask_mode(scheduler=scheduler, heavy_flops=heavy_flops)
+    mode = dask_mode(scheduler=scheduler, heavy_flops=heavy_flops, shards=shards)
     fn = pytensor.function(inputs, outputs, mode=mode, **kwargs)
     assert isinstance(fn.maker.linker, DaskLinker)
     return DaskFunction(fn)

@@ -6,7 +6,10 @@ input storage.  ``DaskLinker`` plans the rewritten graph (``_plan``) and then:
 
 * for a single-stage plan, hands the graph to the line's own backend linker (C VM on
   PyTensor 2.38, Numba on 3.x): the function is exactly as fast as PyTensor's default mode;
-* otherwise returns a thunk that runs the plan through ``_execute.PlanExecutor``.
+* otherwise returns a thunk that runs the plan through ``_execute.PlanExecutor``;
+* and when the outputs are sums over the rows of large data (``_shard.find_shards``),
+  wraps that thunk so that, on a distributed client, the rows are split into shards kept
+  on the workers (``_sharded``); ``plan.sharding`` says how, or why not.
 
 ``DaskLinker`` subclasses the backend linker's class, so that rewrites which ask which
 backend they target (inner graphs of ``OpFromGraph`` and ``Scan``, elemwise fusion) prepare
@@ -17,6 +20,7 @@ compiled code across pickling: ``Function`` re-links after unpickling.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from pytensor.compile.mode import Mode, register_mode
 from pytensor.link.basic import Container
@@ -25,6 +29,7 @@ from dasktensor import _compat
 from dasktensor._cluster import SchedulerRef
 from dasktensor._execute import PlanExecutor
 from dasktensor._plan import Plan, plan_graph
+from dasktensor._sharded import ShardedExecutor, ShardedThunk, analyse, check_shards, describe
 
 _BACKEND_LINKER = _compat.backend_mode().linker
 
@@ -41,6 +46,11 @@ class DaskLinker(type(_BACKEND_LINKER)):
         there is one, else the threaded scheduler).
     heavy_flops : float, optional
         Threshold of the planner's cost rule (``dasktensor.planner.heavy-flops``).
+    shards : int or bool, optional
+        Sharding of sums over data rows (``dasktensor._sharded``): None (the default)
+        makes one shard per worker of a distributed client, an int K makes K shards,
+        ``False`` or 0 turns it off.  Only graphs with data of at least
+        ``dasktensor.shard.min-rows`` rows whose outputs are exact sums over them qualify.
 
     Examples
     --------
@@ -63,26 +73,27 @@ class DaskLinker(type(_BACKEND_LINKER)):
         "dasktensor_parallel_calls",
     )
 
-    def __init__(self, scheduler=None, heavy_flops: float | None = None, **_ignored):
+    def __init__(self, scheduler=None, heavy_flops: float | None = None, shards=None, **_ignored):
         # the backend linker's own settings do not apply: stages use a fresh backend linker
         super().__init__()
         self.scheduler = (
             scheduler if isinstance(scheduler, SchedulerRef) else SchedulerRef(scheduler)
         )
         self.heavy_flops = heavy_flops
+        self.shards = check_shards(shards, "DaskLinker(shards=...)")
         self.fgraph = None
         self.plan: Plan | None = None
         self.executor: PlanExecutor | None = None
+        self.sharded: ShardedExecutor | None = None
         self._updated_vars = None
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.update(plan=None, executor=None)  # rebuilt by make_thunk
+        state.update(plan=None, executor=None, sharded=None)  # rebuilt by make_thunk
         return state
 
     def clone(self, allow_gc=None):
-        new = DaskLinker(self.scheduler, self.heavy_flops)
-        return new
+        return DaskLinker(self.scheduler, self.heavy_flops, self.shards)
 
     def accept(self, fgraph, no_recycling=None, profile=None):
         if self.fgraph is not None and self.fgraph is not fgraph:
@@ -98,10 +109,27 @@ class DaskLinker(type(_BACKEND_LINKER)):
     def make_thunk(self, input_storage=None, output_storage=None, storage_map=None, **kwargs):
         fgraph = self.fgraph
         self.plan = plan_graph(fgraph, heavy_flops=self.heavy_flops)
+        found = analyse(fgraph, self.shards)
+        self.plan = dataclasses.replace(self.plan, sharding=describe(found, self.shards))
         if self.plan.single_stage:
-            return self._backend_thunk(input_storage, output_storage, storage_map, **kwargs)
-        self.executor = executor = PlanExecutor(self.plan, self.scheduler)
+            made = self._backend_thunk(input_storage, output_storage, storage_map, **kwargs)
+        else:
+            made = self._plan_thunk(input_storage, output_storage)
+        self.sharded = None
+        if not found:
+            return made
+        self.sharded = ShardedExecutor(
+            fgraph, found, self.shards, self.scheduler, on_change=self._sharding_changed
+        )
+        thunk, inputs, outputs = made
+        return ShardedThunk(thunk, self.sharded, inputs, outputs), inputs, outputs
 
+    def _sharding_changed(self, text: str) -> None:
+        self.plan = dataclasses.replace(self.plan, sharding=text)
+
+    def _plan_thunk(self, input_storage, output_storage):
+        fgraph = self.fgraph
+        self.executor = executor = PlanExecutor(self.plan, self.scheduler)
         if input_storage is None:
             input_storage = [[None] for _ in fgraph.inputs]
         if output_storage is None:
@@ -145,7 +173,7 @@ class DaskLinker(type(_BACKEND_LINKER)):
         return "DaskLinker()"
 
 
-def dask_mode(scheduler=None, heavy_flops: float | None = None) -> Mode:
+def dask_mode(scheduler=None, heavy_flops: float | None = None, shards=None) -> Mode:
     """A PyTensor ``Mode`` that plans graphs into coarse tasks and runs them on Dask.
 
     The registered ``"DASK"`` mode is ``dask_mode()``.  Its rewrites are those of
@@ -157,6 +185,8 @@ def dask_mode(scheduler=None, heavy_flops: float | None = None) -> Mode:
         See :class:`DaskLinker`.
     heavy_flops : float, optional
         Threshold of the planner's cost rule.
+    shards : int or bool, optional
+        See :class:`DaskLinker`: None one shard per worker, K shards, False none.
 
     Returns
     -------
@@ -172,7 +202,8 @@ def dask_mode(scheduler=None, heavy_flops: float | None = None) -> Mode:
     [2.0, 4.0]
     """
     backend = _compat.backend_mode()
-    return Mode(linker=DaskLinker(scheduler, heavy_flops), optimizer=backend.provided_optimizer)
+    linker = DaskLinker(scheduler, heavy_flops, shards)
+    return Mode(linker=linker, optimizer=backend.provided_optimizer)
 
 
 DASK = dask_mode()

@@ -141,6 +141,9 @@ class Plan:
 
     fgraph: FunctionGraph
     tasks: tuple[Task, ...]
+    #: whether the function is split into data shards on a cluster, over which data, into
+    #: how many shards and why, or why not (``dasktensor._sharded``); None: not looked at
+    sharding: str | None = None
 
     @property
     def single_stage(self) -> bool:
@@ -151,6 +154,8 @@ class Plan:
         """The plan as text: one line per task, then its op types (or, with ``nodes=True``,
         every node)."""
         lines = [f"Plan: {len(self.fgraph.apply_nodes)} nodes -> {len(self.tasks)} task(s)"]
+        if self.sharding:
+            lines.extend(f"  {line}" for line in self.sharding.splitlines())
         for t in self.tasks:
             deps = ",".join(map(str, t.deps)) or "-"
             ann = f" {t.placement}" if t.placement else ""

@@ -67,6 +67,11 @@ class RemoteModel:
     scheduler : str or distributed.Client, optional
         The cluster.  By default the process's default Dask client
         (``dt.connect()`` makes one); a forked or unpickled copy reconnects by address.
+    workers : str or sequence of str, optional
+        Workers (addresses or names) to build the replicas on first, in this order, among
+        those offering ``resources``; other workers build them when these are gone (a
+        lost replica is rebuilt on the next worker of the list that is alive, else
+        anywhere).  ``replicas=1, workers=[a]`` pins the model to worker ``a``.
 
     Examples
     --------
@@ -103,13 +108,14 @@ class RemoteModel:
         retries: int = 0,
         timeout: float | None = None,
         scheduler=None,
+        workers=None,
     ):
         if not callable(factory):
             raise TypeError(f"RemoteModel expected a callable factory, got {factory!r}")
         check_name(
             name, "RemoteModel(name=...)", "it prefixes Dask keys and names the model's Ops"
         )
-        Placement.of("RemoteModel", resources=resources)
+        placement = Placement.of("RemoteModel", resources=resources, workers=workers)
         for option, value, low in (("replicas", replicas, 1), ("concurrency", concurrency, 1)):
             if value is not None and not (isinstance(value, int) and value >= low):
                 raise ValueError(
@@ -132,6 +138,7 @@ class RemoteModel:
             retries=retries,
             timeout=timeout,
             scheduler=SchedulerRef(scheduler),
+            workers=placement.workers,
         )
 
     # -- options (read-only: they are the model's identity on the cluster) -----------------
@@ -144,6 +151,7 @@ class RemoteModel:
     concurrency = _option("concurrency", "Calls one replica runs at once.")
     retries = _option("retries", "Times a call that raised is run again.")
     timeout = _option("timeout", "Seconds after which a call fails (None: no limit).")
+    preferred_workers = _option("workers", "Workers the replicas are built on first (in order).")
 
     def __repr__(self) -> str:
         return repr(self._spec)
@@ -168,21 +176,27 @@ class RemoteModel:
         >>> op.dasktensor_remote, op.dasktensor_name
         (True, 'normal-logp-grad')
         """
-        return LogpGradOp(self._method(method), itypes, name=self._op_name(method, name))
+        return LogpGradOp(self.method(method), itypes, name=self._op_name(method, name))
 
     def logp_op(self, method: str, itypes: Sequence, *, name: str | None = None):
         """A :class:`~dasktensor.LogpOp` calling ``model.<method>(*arrays) -> float``."""
-        return LogpOp(self._method(method), itypes, name=self._op_name(method, name))
+        return LogpOp(self.method(method), itypes, name=self._op_name(method, name))
 
     def arrays_to_arrays_op(
         self, method: str, itypes: Sequence, otypes: Sequence, *, name: str | None = None
     ):
         """An :class:`~dasktensor.ArraysToArraysOp` calling ``model.<method>(*arrays)``."""
         return ArraysToArraysOp(
-            self._method(method), itypes, otypes, name=self._op_name(method, name)
+            self.method(method), itypes, otypes, name=self._op_name(method, name)
         )
 
-    def _method(self, method: str) -> RemoteMethod:
+    def method(self, method: str) -> RemoteMethod:
+        """``model.<method>`` as a call target (``RemoteMethod.call_together`` sends several).
+
+        >>> import dasktensor as dt
+        >>> dt.RemoteModel(dict, name="table").method("get")
+        table.get
+        """
         if not isinstance(method, str) or not method.isidentifier():
             raise TypeError(f"{self!r}: expected a method name, got {method!r}")
         return RemoteMethod(self._spec, method)

@@ -3,8 +3,9 @@
 * **Placement is Dask's.**  A replica is built by an ordinary task (``build-<name>`` on
   the dashboard, body ``dasktensor_worker.tasks.build_replica``) that carries the model's
   ``resources``, so only workers offering them build one: on each eligible worker
-  (``replicas=None``) or on ``replicas`` of them, starting at a worker that depends on the
-  model's key, so that models spread over the workers.  ``factory()`` runs once per worker
+  (``replicas=None``) or on ``replicas`` of them: the model's preferred ``workers`` first
+  (in their order, those alive), then starting at a worker that depends on the model's
+  key, so that models spread over the workers.  ``factory()`` runs once per worker
   (the worker's ``ModelHost`` builds each key once).
 * **Discovery asks the workers** (``client.run(holds, key)``), so another process (a
   sampler child, an unpickled copy) finds the replicas this one built.
@@ -23,11 +24,15 @@ Everything here is per process and keyed by the model's key (module globals, res
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
 import time
 import uuid
+
+import dask.config
+from dask.utils import parse_bytes
 
 from dasktensor import _config
 from dasktensor._cluster import (
@@ -127,31 +132,74 @@ class ReplicaSet:
         holders = [a for a in eligible if held.get(a) is True]
         wanted = len(eligible) if spec.replicas is None else min(spec.replicas, len(eligible))
         if len(holders) < wanted:
-            # start at a worker that depends on the model, so models spread over workers
             free = [a for a in eligible if a not in holders]
-            start = int(spec.key.rsplit("-", 1)[1], 16) % len(free)
-            targets = (free[start:] + free[:start])[: wanted - len(holders)]
+            targets = _in_order(spec, free, workers)[: wanted - len(holders)]
             inline_below = _config.seconds("remote.inline-below")
-            futures = [
-                submit(
-                    client,
-                    tasks.build_replica,
-                    spec.key,
-                    spec.name,
-                    spec.factory,
-                    spec.concurrency,
-                    inline_below,
-                    key=f"build-{spec.name}-{uuid.uuid4().hex}",
-                    placement=Placement(
-                        resources=spec.resources or None, workers=[a], allow_other_workers=True
-                    ),
-                )
-                for a in targets
-            ]
+            with _data_carried(spec.factory):
+                futures = [
+                    submit(
+                        client,
+                        tasks.build_replica,
+                        spec.key,
+                        spec.name,
+                        spec.factory,
+                        spec.concurrency,
+                        inline_below,
+                        key=f"build-{spec.name}-{uuid.uuid4().hex}",
+                        placement=Placement(
+                            resources=spec.resources or None,
+                            workers=[a],
+                            allow_other_workers=True,
+                        ),
+                    )
+                    for a in targets
+                ]
             for address in client.gather(futures):  # a factory's error is raised here
                 if address not in holders:
                     holders.append(address)
         return sorted(holders)
+
+
+@contextlib.contextmanager
+def _data_carried(factory):
+    """Dask warns of task graphs over ``distributed.admin.large-graph-warning-threshold``;
+    a factory that says it carries data (``factory.nbytes``, e.g. a data shard's rows)
+    is sent with its build task on purpose, once per build.  The threshold is raised
+    while any such build is being submitted (counted: builds run in several threads)."""
+    nbytes = getattr(factory, "nbytes", 0)
+    if not isinstance(nbytes, int) or nbytes <= 0:
+        yield
+        return
+    key = "distributed.admin.large-graph-warning-threshold"
+    with _carried_lock:
+        if _carried["count"] == 0:
+            _carried["saved"] = dask.config.get(key)
+        _carried["count"] += 1
+        wanted = 2 * nbytes + 2**20
+        if parse_bytes(dask.config.get(key)) < wanted:
+            dask.config.set({key: wanted})
+    try:
+        yield
+    finally:
+        with _carried_lock:
+            _carried["count"] -= 1
+            if _carried["count"] == 0:
+                dask.config.set({key: _carried["saved"]})
+
+
+_carried_lock = threading.Lock()
+_carried: dict = {"count": 0, "saved": None}
+
+
+def _in_order(spec: ModelSpec, free: list[str], workers: dict[str, dict]) -> list[str]:
+    """The workers to build on, best first: the model's preferred ``workers`` (addresses
+    or names) in their order, then the others starting at a worker that depends on the
+    model's key, so that models spread over the workers."""
+    start = int(spec.key.rsplit("-", 1)[1], 16) % len(free)
+    others = free[start:] + free[:start]
+    names = {a: workers.get(a, {}).get("name") for a in free}
+    preferred = [a for w in spec.workers or () for a in free if w == a or str(w) == str(names[a])]
+    return list(dict.fromkeys(preferred + others))
 
 
 def replica_set(spec: ModelSpec) -> ReplicaSet:
@@ -212,7 +260,8 @@ _process_number: int | None = None
 
 
 def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
-    global _sets_lock, _inflight_lock, _process_number
+    global _sets_lock, _inflight_lock, _process_number, _carried_lock
+    _carried_lock = threading.Lock()
     _process_number = None
     _sets.clear()
     _sets_lock = threading.Lock()

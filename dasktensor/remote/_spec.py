@@ -49,6 +49,8 @@ class ModelSpec:
         Seconds one call may take.
     scheduler : SchedulerRef
         The cluster.
+    workers : tuple of str or None
+        Workers to build replicas on first, in order (None: any eligible worker).
     """
 
     key: str
@@ -60,6 +62,7 @@ class ModelSpec:
     retries: int
     timeout: float | None
     scheduler: SchedulerRef
+    workers: tuple[str, ...] | None = None
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ModelSpec) and other.key == self.key

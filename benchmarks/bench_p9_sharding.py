@@ -1,0 +1,230 @@
+"""P9: automatic sharding of sums over data rows, on a 2-process cluster.
+
+Two PyMC models whose log-density and gradient are sums over many observed rows:
+
+* **linreg**: a linear regression with 2,000,000 rows (``X``: 2M x 3, ``y``);
+* **hier-logit**: a hierarchical logistic regression with 1,000,000 rows, 3 covariates
+  and 20 groups (``logit_p = a[group] + X @ beta``, a non-centred ``a``).
+
+Each model's ``logp_dlogp_function(ravel_inputs=True)`` (what ``pm.sample`` compiles) is
+compiled twice: in the default mode, and in the DASK mode on a ``LocalCluster`` of 2 worker
+processes x 1 thread (BLAS 1 thread everywhere).  The DASK mode finds that the outputs are
+sums over the rows and splits them into one shard per worker: each worker keeps its half
+of the rows in a resident stage and computes its partial sums; the caller sends the
+parameters only, adds the partial values and runs the rest.  Measured side by side with
+``compare``: time per evaluation (target speed-up default/sharded >= 1.6), bytes sent per
+evaluation (the parameters and the assumptions' guesses, to each shard), the first call
+(building the shards: data sent once, partial graph compiled on the workers).
+
+Then (``--no-sample`` skips it) ``pm.sample`` of the linear regression, 1 chain,
+``--tune``/``--draws`` 300 each, in both modes with the same seed: wall-clock time
+(target >= 1.5) and the largest difference between the draws (sharding changes the
+order of additions, so draws agree to round-off rather than bit for bit).
+
+Printed beside the speed-ups, the floor of this machine right now: the default mode's
+time over the slowest shard's own work, both shards computing at once, timed on the
+workers (no messages); and what the sharded call costs beyond that work (the round trip,
+adding the partial values, the combine graph).  On a 2-core machine shared with other
+jobs the floor is well below 2.
+
+Run: ``python benchmarks/bench_p9_sharding.py [--no-sample] [--draws N] [--tune N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (
+    Row,
+    blas_threads,
+    compare,
+    limit_blas,
+    load_row,
+    local_cluster,
+    print_ratio_table,
+    print_rows,
+    quiet,
+    versions_line,
+    worker_blas_threads,
+)
+
+NAME = "p9-sharding"
+SEED = 20261201
+
+
+def linreg(n: int = 2_000_000):
+    import numpy as np
+    import pymc as pm
+
+    rng = np.random.default_rng(SEED)
+    X = rng.normal(size=(n, 3))
+    y = X @ np.array([1.0, -2.0, 0.5]) + 0.3 + rng.normal(size=n)
+    with pm.Model() as model:
+        beta = pm.Normal("beta", 0, 1, shape=3)
+        alpha = pm.Normal("alpha", 0, 1)
+        sigma = pm.HalfNormal("sigma", 1)
+        pm.Normal("y", X @ beta + alpha, sigma, observed=y)
+    return model
+
+
+def hier_logit(n: int = 1_000_000, groups: int = 20):
+    import numpy as np
+    import pymc as pm
+
+    rng = np.random.default_rng(SEED + 1)
+    X = rng.normal(size=(n, 3))
+    group = rng.integers(0, groups, size=n)
+    a_true = rng.normal(scale=0.5, size=groups)
+    p = 1 / (1 + np.exp(-(a_true[group] + X @ np.array([0.5, -1.0, 0.25]))))
+    y = (rng.uniform(size=n) < p).astype("int64")
+    with pm.Model() as model:
+        beta = pm.Normal("beta", 0, 1, shape=3)
+        mu_a = pm.Normal("mu_a", 0, 1)
+        sigma_a = pm.HalfNormal("sigma_a", 1)
+        z = pm.Normal("z", 0, 1, shape=groups)
+        a = mu_a + sigma_a * z
+        pm.Bernoulli("y", logit_p=a[group] + X @ beta, observed=y)
+    return model
+
+
+def _held(keys, dask_worker=None) -> int:
+    """On a worker: bytes of data held by the shard stages among ``keys``."""
+    host = dask_worker.plugins.get("dasktensor-models")
+    replicas = getattr(host, "replicas", {})
+    return sum(r.model.held for k, r in replicas.items() if k in keys)
+
+
+def _time_shards(keys, args, reps, dask_worker=None) -> float:
+    """On a worker: median seconds of its shard's partial values (all workers at once)."""
+    import statistics
+
+    host = dask_worker.plugins.get("dasktensor-models")
+    [server] = [r.model for k, r in host.replicas.items() if k in keys]
+    server.run(*args)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        server.run(*args)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def evaluations(label, make, client, repeat, warmup) -> list[Row]:
+    """Per-evaluation rows of one model: default vs DASK sharded, side by side."""
+    import numpy as np
+
+    import dasktensor as dt
+
+    model = make()
+    ref = model.logp_dlogp_function(ravel_inputs=True)._pytensor_function
+    vgf = model.logp_dlogp_function(ravel_inputs=True, mode=dt.dask_mode(scheduler=client))
+    f = vgf._pytensor_function
+    linker = f.maker.linker
+    q = np.random.default_rng(1).normal(scale=0.1, size=f.maker.fgraph.inputs[0].type.shape)
+    t0 = time.perf_counter()
+    got = f(q)
+    first = time.perf_counter() - t0
+    print(f"\n[{NAME}] {label}: {linker.plan}")
+    for g, w in zip(got, ref(q)):
+        np.testing.assert_allclose(g, w, rtol=1e-10)
+    stats = dict(linker.sharded.stats)
+    times = compare(
+        {"default (1 process)": lambda: ref(q), "DASK sharded (2 procs)": lambda: f(q)},
+        repeat=repeat,
+        warmup=warmup,
+    )
+    print_ratio_table(times, "default (1 process)", title=f"{label}: median per evaluation")
+    done = linker.sharded.stats
+    per_eval = (done["bytes_sent"] - stats["bytes_sent"]) / (done["calls"] - stats["calls"])
+    keys = [m.key for s in linker.sharded.stages() for m in s.models]
+    held = client.run(_held, keys)
+    t_ref, t_dask = times["default (1 process)"], times["DASK sharded (2 procs)"]
+    # the floor: the shards' own work, both workers at once, timed on the workers
+    args = [q, *linker.sharded.split.plan.guesses()]
+    t_shards = max(client.run(_time_shards, keys, args, repeat).values())
+    print(f"{label}: slowest shard alone (both at once, on the workers): {t_shards * 1e3:.2f} ms")
+    return [
+        Row(NAME, f"{label}: shards", len(keys)),
+        Row(NAME, f"{label}: default per eval", t_ref, unit="s"),
+        Row(NAME, f"{label}: DASK sharded per eval", t_dask, unit="s"),
+        Row(NAME, f"{label}: speed-up default/sharded", t_ref / t_dask, 1.6, True),
+        Row(NAME, f"{label}: floor default/slowest shard's work", t_ref / t_shards),
+        Row(NAME, f"{label}: sharded minus slowest shard's work", t_dask - t_shards, unit="s"),
+        Row(NAME, f"{label}: bytes sent per eval", per_eval, 1024, unit=" B"),
+        Row(NAME, f"{label}: data held by the shards (MB)", round(sum(held.values()) / 1e6, 1)),
+        Row(NAME, f"{label}: first call (build shards)", first, unit="s"),
+    ]
+
+
+def sampling(client, draws: int, tune: int) -> list[Row]:
+    """pm.sample of the linear regression, default mode vs DASK sharded."""
+    import numpy as np
+    import pymc as pm
+
+    import dasktensor as dt
+
+    def run(mode):
+        model = linreg()
+        kwargs = {} if mode is None else {"compile_kwargs": {"mode": mode}}
+        t0 = time.perf_counter()
+        with model:
+            idata = pm.sample(
+                draws=draws,
+                tune=tune,
+                chains=1,
+                cores=1,
+                random_seed=SEED,
+                progressbar=False,
+                compute_convergence_checks=False,
+                nuts_sampler="pymc",
+                **kwargs,
+            )
+        elapsed = time.perf_counter() - t0
+        post = idata.posterior
+        return elapsed, {v: np.asarray(post[v].values) for v in ("beta", "alpha", "sigma")}
+
+    t_ref, ref = run(None)
+    t_dask, got = run(dt.dask_mode(scheduler=client))
+    diff = max(float(np.max(np.abs(got[k] - ref[k]))) for k in ref)
+    same = all(np.array_equal(got[k], ref[k]) for k in ref)
+    print(f"[{NAME}] pm.sample {tune}+{draws}: default {t_ref:.1f} s, DASK {t_dask:.1f} s")
+    return [
+        Row(NAME, "linreg pm.sample: default (s)", round(t_ref, 1)),
+        Row(NAME, "linreg pm.sample: DASK sharded (s)", round(t_dask, 1)),
+        Row(NAME, "linreg pm.sample: speed-up", t_ref / t_dask, 1.5, True),
+        Row(NAME, "linreg pm.sample: draws identical (1/0)", int(same)),
+        Row(NAME, "linreg pm.sample: draws max abs diff (x 1e-9)", diff * 1e9),
+    ]
+
+
+def main(
+    sample: bool = True, draws: int = 300, tune: int = 300, repeat: int = 11, warmup: int = 3
+) -> list[Row]:
+    quiet()
+    print(f"[{NAME}] {versions_line()}")
+    rows: list[Row] = [load_row(NAME)]
+    with limit_blas(1):
+        print(f"client BLAS threads: {blas_threads()}")
+        with local_cluster(n_workers=2, threads_per_worker=1) as client:
+            print(f"worker BLAS threads: {worker_blas_threads(client)}")
+            rows += evaluations("linreg 2M", linreg, client, repeat, warmup)
+            rows += evaluations("hier-logit 1M", hier_logit, client, repeat, warmup)
+            if sample:
+                rows += sampling(client, draws, tune)
+    rows.append(load_row(NAME))
+    print_rows(rows, title=f"[{NAME}] summary")
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-sample", action="store_true", help="skip pm.sample")
+    parser.add_argument("--draws", type=int, default=300)
+    parser.add_argument("--tune", type=int, default=300)
+    args = parser.parse_args()
+    main(sample=not args.no_sample, draws=args.draws, tune=args.tune)

@@ -1,0 +1,389 @@
+"""Sharded execution (``dasktensor._sharded``): sums over data rows split over workers.
+
+Real PyMC models, compiled as ``pm.sample`` compiles them
+(``model.logp_dlogp_function(ravel_inputs=True, mode=...)``), on real worker processes.
+The data are small (a few thousand rows) and ``dasktensor.shard.min-rows`` is lowered
+while compiling, so that the tests stay fast; values and gradients must equal the default
+mode's to round-off (sharding changes the order of additions only).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import dask
+import numpy as np
+import pymc as pm
+import pytensor.tensor as pt
+import pytest
+from distributed import Client, LocalCluster
+
+import dasktensor as dt
+from dasktensor._sharded import ShardServer, check_shards
+
+N = 3000
+MIN_ROWS = {"dasktensor.shard.min-rows": 1000}
+RTOL = 1e-10
+RNG = np.random.default_rng(7)
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def design(n=N, k=3, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, k))
+    return X, X @ np.arange(1.0, k + 1) + 0.5 + rng.normal(size=n)
+
+
+def linear_regression():
+    X, y = design()
+    with pm.Model() as model:
+        beta = pm.Normal("beta", 0, 1, shape=3)
+        alpha = pm.Normal("alpha")
+        sigma = pm.HalfNormal("sigma")
+        pm.Normal("y", X @ beta + alpha, sigma, observed=y)
+    return model
+
+
+def logistic_regression():
+    X, y = design()
+    with pm.Model() as model:
+        beta = pm.Normal("beta", 0, 1, shape=3)
+        pm.Bernoulli("y", logit_p=X @ beta, observed=(y > 0).astype("int64"))
+    return model
+
+
+def hierarchical():
+    n_groups = 6
+    group = RNG.integers(0, n_groups, size=N)
+    x = RNG.normal(size=N)
+    y = np.arange(n_groups)[group] + 0.5 * x + RNG.normal(size=N)
+    with pm.Model() as model:
+        a = pm.Normal("a", 0, 1, shape=n_groups)
+        b = pm.Normal("b")
+        sigma = pm.HalfNormal("sigma")
+        pm.Normal("y", a[group] + b * x, sigma, observed=y)
+    return model
+
+
+def data_model(n=N):
+    X, y = design(n)
+    with pm.Model() as model:
+        Xd = pm.Data("X", X)
+        yd = pm.Data("y_obs", y)
+        beta = pm.Normal("beta", 0, 1, shape=3)
+        sigma = pm.HalfNormal("sigma")
+        pm.Normal("y", Xd @ beta, sigma, observed=yd, shape=Xd.shape[0])
+    return model
+
+
+def gp_model(n=60):
+    x = np.linspace(0, 1, n)
+    y = np.sin(6 * x) + 0.1 * RNG.normal(size=n)
+    with pm.Model() as model:
+        ls = pm.HalfNormal("ls")
+        eta = pm.HalfNormal("eta")
+        d = x[:, None] - x[None, :]
+        cov = eta**2 * pt.exp(-0.5 * d**2 / ls**2) + 1e-6 * np.eye(n)
+        pm.MvNormal("y", mu=np.zeros(n), cov=cov, observed=y)
+    return model
+
+
+def ar1_data_model():
+    with pm.Model() as model:
+        yd = pm.Data("y_series", np.cumsum(RNG.normal(size=N)) * 0.1)
+        rho = pm.Normal("rho")
+        sigma = pm.HalfNormal("sigma")
+        pm.Normal("y_t", rho * yd[:-1], sigma, observed=yd[1:])
+    return model
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def compiled(model, scheduler, shards=2, min_rows=1000):
+    """(DASK-mode logp+dlogp function with sharding, default-mode function)."""
+    with dask.config.set({"dasktensor.shard.min-rows": min_rows}):
+        mode = dt.dask_mode(scheduler=scheduler, shards=shards)
+        f = model.logp_dlogp_function(ravel_inputs=True, mode=mode)._pytensor_function
+    ref = model.logp_dlogp_function(ravel_inputs=True)._pytensor_function
+    return f, ref
+
+
+def points_for(f, n=3, scale=0.3):
+    size = f.maker.fgraph.inputs[0].type.shape
+    rng = np.random.default_rng(11)
+    return [rng.normal(scale=scale, size=size) for _ in range(n)]
+
+
+def assert_same(f, ref, points):
+    for q in points:
+        got, want = f(q), ref(q)
+        assert len(got) == len(want) == 2
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-12)
+
+
+def _shards_here(keys, dask_worker=None):
+    """On a worker: ``{key: (bytes held, bytes received by calls, calls)}`` of the shard
+    stages among ``keys`` it holds."""
+    host = dask_worker.plugins.get("dasktensor-models")
+    replicas = getattr(host, "replicas", {})
+    return {
+        k: (r.model.held, r.model.received, r.model.calls)
+        for k, r in replicas.items()
+        if k in keys and type(r.model).__name__ == ShardServer.__name__
+    }
+
+
+def shards_on(client, f) -> dict[str, dict]:
+    keys = [m.key for s in f.maker.linker.sharded.stages() for m in s.models]
+    return client.run(_shards_here, keys)
+
+
+# ----------------------------------------------------------------------------- sharded
+
+
+@pytest.mark.parametrize(
+    "make", [linear_regression, logistic_regression, hierarchical], ids=lambda m: m.__name__
+)
+def test_models_shard_one_per_worker_and_equal_the_default_mode(client, make):
+    f, ref = compiled(make(), client)
+    text = str(f.maker.linker.plan)
+    assert "sharded: into 2 shards (shards=2)" in text and f"the {N} rows" in text
+    assert_same(f, ref, points_for(f))
+    assert f"now: 2 shards of ~{N // 2} rows on" in str(f.maker.linker.plan)
+    held = shards_on(client, f)
+    assert sorted(len(h) for h in held.values()) == [1, 1], held  # one shard per worker
+    assert f.maker.linker.sharded.stats["builds"] == 1
+
+
+def test_a_failed_parameter_check_costs_a_second_round(client):
+    _, y = design()
+    xs = np.random.default_rng(3).uniform(0.5, 1.0, N)
+    with pm.Model() as model:
+        p = pm.Flat("p")  # not transformed: p * xs > 1 fails Bernoulli's check (row by row)
+        pm.Bernoulli("y", p=p * xs, observed=(y > 0).astype("int64"))
+    f, ref = compiled(model, client)
+    stats = f.maker.linker.sharded.stats
+    assert "assumed true: 1 check" in str(f.maker.linker.plan)
+    assert_same(f, ref, [np.array([0.3])])
+    assert stats["rounds"] == stats["calls"] == 1
+    got, want = f(np.array([1.5])), ref(np.array([1.5]))
+    assert got[0] == want[0] == -np.inf
+    assert stats["rounds"] == 3 and stats["calls"] == 2
+
+
+def test_shard_data_is_sent_once_not_per_call(client):
+    f, _ = compiled(linear_regression(), client)
+    q = points_for(f, 1)[0]
+    f(q)
+    before = {k: v for h in shards_on(client, f).values() for k, v in h.items()}
+    stats = dict(f.maker.linker.sharded.stats)
+    for _ in range(10):
+        f(q)
+    after = {k: v for h in shards_on(client, f).values() for k, v in h.items()}
+    X_bytes = N * 3 * 8
+    assert sum(v[0] for v in after.values()) >= 2 * X_bytes  # X and X.T, held
+    # ten calls sent each shard the 5 parameters (40 bytes), nothing else
+    assert all(after[k][2] - before[k][2] == 10 for k in after)
+    assert all(after[k][1] - before[k][1] == 10 * q.nbytes for k in after)
+    sent = f.maker.linker.sharded.stats["bytes_sent"] - stats["bytes_sent"]
+    assert sent == 10 * 2 * q.nbytes
+
+
+def test_a_shared_parameter_that_changes_is_sent_not_a_rebuild(client):
+    import pytensor
+
+    y = pt.constant(np.linspace(0.0, 1.0, N), name="y")
+    mu = pytensor.shared(0.5, name="mu")  # e.g. PyMC's extra_vars, set before each call
+    s = pt.dscalar("s")
+    with dask.config.set(MIN_ROWS):
+        f = dt.function([s], ((y - mu) ** 2 / s).sum(), scheduler=client, shards=2)
+    ex = f.maker.linker.sharded
+    for value in (0.1, 0.2, 0.3):
+        mu.set_value(value)
+        np.testing.assert_allclose(f(2.0), ((np.linspace(0, 1, N) - value) ** 2).sum() / 2)
+    assert ex.stats["builds"] == 1 and ex.stats["calls"] == 3
+
+
+def test_copies_and_pickles_of_a_sharded_function_shard_again(client):
+    import pickle
+
+    f, ref = compiled(linear_regression(), client)
+    points = points_for(f, 2)
+    with dask.config.set(MIN_ROWS):  # the setting is read when a copy is linked
+        copies = (f.copy(), pickle.loads(pickle.dumps(f)))
+    for g in copies:
+        assert_same(g, ref, points)
+        assert "sharded: into 2 shards" in str(g.maker.linker.plan)
+        assert g.maker.linker.sharded.stats["calls"] == 2
+
+
+def test_data_model_follows_set_data(client):
+    model = data_model()
+    f, ref = compiled(model, client)
+    ex = f.maker.linker.sharded
+    text = str(f.maker.linker.plan)
+    assert "X (axis 0)" in text and "y_obs (axis 0)" in text
+    points = points_for(f, 2)
+    assert_same(f, ref, points)
+    first = [m.key for s in ex.stages() for m in s.models]
+    # new values, same length: the shards are cut and sent again, the old ones released
+    X2, y2 = design(seed=1)
+    pm.set_data({"X": X2, "y_obs": y2}, model=model)
+    assert_same(f, ref, points)
+    assert ex.stats["builds"] == 2
+    held = shards_on(client, f)
+    assert sorted(len(h) for h in held.values()) == [1, 1]
+    keys_now = {k for h in client.run(_shards_here, first).values() for k in h}
+    assert not keys_now, "the stages of the old data were not released"
+    # a new length: the shards are found again (N - 500 rows), and used
+    X3, y3 = design(N - 500, seed=2)
+    pm.set_data({"X": X3, "y_obs": y3}, model=model)
+    assert_same(f, ref, points)
+    assert ex.stats["builds"] == 3 and f"the {N - 500} rows" in str(f.maker.linker.plan)
+    assert sum(v[0] for h in shards_on(client, f).values() for v in h.values()) == (
+        X3.nbytes + y3.nbytes
+    )
+
+
+# ----------------------------------------------------------------------------- not sharded
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [(gp_model, "MvNormal"), (ar1_data_model, "shifts rows")],
+    ids=["gp", "ar1-data"],
+)
+def test_models_that_are_not_sums_over_rows_say_why(client, make, why):
+    model = make()
+    f, ref = compiled(model, client, min_rows=50)
+    text = str(f.maker.linker.plan)
+    assert "not sharded:" in text and why in text, text
+    assert f.maker.linker.sharded is None
+    assert_same(f, ref, points_for(f, 2, scale=0.1))
+
+
+def test_turned_off_and_without_a_client(client):
+    f, ref = compiled(linear_regression(), client, shards=False)
+    assert "not sharded: turned off (shards=False)" in str(f.maker.linker.plan)
+    # a sharded function with the local scheduler: unsharded, in this process
+    g, _ = compiled(linear_regression(), "threads")
+    assert "sharded: into 2 shards" in str(g.maker.linker.plan)
+    assert_same(g, ref, points_for(g, 2))
+    assert g.maker.linker.sharded.stats == {"calls": 0, "rounds": 0, "bytes_sent": 0, "builds": 0}
+    with pytest.raises(ValueError, match="shards"):
+        check_shards(-1)
+
+
+def test_one_worker_is_not_sharded():
+    with (
+        LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        f, ref = compiled(linear_regression(), client, shards=None)
+        assert "one shard per worker" in str(f.maker.linker.plan)
+        assert_same(f, ref, points_for(f, 2))
+        assert "now: unsharded" in str(f.maker.linker.plan)
+        assert f.maker.linker.sharded.stats["calls"] == 0
+
+
+def test_remote_model_prefers_its_workers(client):
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    for target in workers:
+        model = dt.RemoteModel(dict, name="pinned", replicas=1, workers=[target], scheduler=client)
+        try:
+            assert model.start() == [target]
+            assert model.preferred_workers == (target,)
+        finally:
+            model.close()
+
+
+def test_factories_carrying_data_build_without_dasks_large_graph_warning(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dasktensor._sharded import ShardFactory
+
+    rows = np.ones(12 * 2**20 // 8)  # over Dask's 10 MiB warning threshold
+    models = [
+        dt.RemoteModel(ShardFactory(np.sum, [rows]), name="big", replicas=1, scheduler=client)
+        for _ in range(2)
+    ]
+    try:
+        with ThreadPoolExecutor(2) as pool:  # (warnings are errors in this test suite)
+            assert all(pool.map(lambda m: m.start(), models))
+    finally:
+        for m in models:
+            m.close()
+    assert dask.config.get("distributed.admin.large-graph-warning-threshold") == "10MB"
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+@pytest.mark.slow
+def test_a_killed_worker_holding_a_shard_costs_a_rebuild_not_a_wrong_answer():
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=None
+        ) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        f, ref = compiled(hierarchical(), client)
+        points = points_for(f, 3)
+        assert_same(f, ref, points[:1])
+        victim = next(iter(client.run(os.getpid).values()))
+        os.kill(victim, signal.SIGKILL)
+        assert_same(f, ref, points)  # the lost shard is rebuilt, with its rows
+        held = shards_on(client, f)
+        assert sum(len(h) for h in held.values()) == 2, held
+
+
+# ----------------------------------------------------------------------------- pm.sample
+
+
+def draws(model, **kwargs):
+    with model:
+        idata = pm.sample(
+            draws=20,
+            tune=20,
+            chains=kwargs.pop("chains", 1),
+            cores=kwargs.pop("cores", 1),
+            random_seed=3,
+            progressbar=False,
+            compute_convergence_checks=False,
+            nuts_sampler="pymc",
+            **kwargs,
+        )
+    return {v.name: idata.posterior[v.name].values for v in model.free_RVs}
+
+
+FORK_WARNING = r"ignore:This process \(pid=\d+\) is multi-threaded:DeprecationWarning"
+
+
+def _shard_calls(dask_worker=None) -> int:
+    """On a worker: calls answered by all the shard stages it holds."""
+    host = dask_worker.plugins.get("dasktensor-models")
+    replicas = getattr(host, "replicas", {}).values()
+    return sum(r.model.calls for r in replicas if type(r.model).__name__ == "ShardServer")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings(FORK_WARNING)
+@pytest.mark.parametrize("cores", [1, 2])
+def test_pm_sample_in_the_dask_mode_draws_as_the_default_mode(process_cluster, cores):
+    expected = draws(linear_regression(), chains=cores, cores=cores)
+    with Client(process_cluster) as c, dask.config.set(MIN_ROWS):  # the default client
+        before = c.run(_shard_calls)
+        mode = {"mode": "DASK"}
+        got = draws(linear_regression(), chains=cores, cores=cores, compile_kwargs=mode)
+        after = c.run(_shard_calls)
+    # every worker computed its shard of (nearly) every evaluation of the sampler(s)
+    assert all(after[w] - before[w] > 40 * cores for w in after), (before, after)
+    # the order of additions differs (two partial sums): the draws agree to round-off
+    # (about 1e-12 after 40 iterations), not bit for bit
+    for name, want in expected.items():
+        np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-8)
