@@ -7,7 +7,8 @@ argument, then ``dask.config`` ``scheduler``, then the default distributed ``Cli
 
 * **A local scheduler** (the threaded one by default, or any ``dask.typing``
   scheduler-get callable such as ``dask.get``): the whole task graph goes to it.
-* **A distributed Client, the channel path** (``dasktensor.execute.path: channel``): the
+* **A distributed Client, the channel path** (``dasktensor.execute.path: channel``, the
+  default): the
   graph runs on the caller's threads, and each cluster task is a *resident stage*
   (:mod:`dasktensor._resident`): compiled once on the workers and called through the
   remote-call channel, ~1 ms a call instead of a task's ~13 ms.
@@ -106,20 +107,11 @@ class PlanExecutor:
         check_resources(client, [t.placement for t in cluster])
         stages = self._stages.get(id(client))
         if stages is None:
-            resident = [t for t in cluster if t.placement.workers is None]
-            stages = self._stages[id(client)] = ResidentStages(
-                resident, self.graph.runners, client
-            )
+            stages = self._stages[id(client)] = ResidentStages(cluster, self.graph.runners, client)
         for t in cluster:
             key = keys[t.index]
             _, picks, *deps = dsk[key].args  # (runner, picks, *deps)
-            if t.index in stages.models:
-                dsk[key] = DaskTask(key, _call_stage, stages, t.index, picks, *deps)
-            else:  # pinned to workers: a Dask task
-                runner = self.graph.runners[t.index]
-                dsk[key] = DaskTask(
-                    key, _submit_and_wait, client, key, t.placement, runner, picks, *deps
-                )
+            dsk[key] = DaskTask(key, _call_stage, stages, t.index, picks, *deps)
         waiting = len(cluster) + sum(t.role == "remote" for t in self.plan.tasks)
         return self._run_graph(dask.threaded.get, (dsk, keys), values, waiting)
 

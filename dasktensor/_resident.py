@@ -21,9 +21,10 @@ model (``dasktensor.remote``) whose factory is the task's runner, so that
   again).  A replica that lacks a token answers ``need`` and the call is made again with
   every value (once per replica and new value).
 
-Tasks pinned to ``workers=`` keep the task path (a Dask task per call).  The stages of one
-function live as long as its compiled function: they are released from the workers when
-it is garbage-collected.
+A task's ``workers=`` are the workers its stage is built on (first, with
+``allow_other_workers=True``; alone otherwise), its ``retries`` re-run a call that raised.
+The stages of one function live as long as its compiled function: they are released from
+the workers when it is garbage-collected.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ class ResidentStages:
                 name=t.name,
                 resources=t.placement.resources,
                 retries=t.placement.retries or 0,
+                workers=t.placement.workers,
+                allow_other_workers=t.placement.allow_other_workers,
                 scheduler=client,
             )
             for t in tasks

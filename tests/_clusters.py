@@ -21,3 +21,22 @@ def gpu_worker_address(client) -> str:
         a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["resources"]
     ]
     return address
+
+
+def _call_totals(dask_worker) -> dict[str, int]:
+    host = dask_worker.plugins.get("dasktensor-models")
+    return {name: t[0] for name, t in host.calls.totals.items()} if host is not None else {}
+
+
+def channel_calls(client, by_worker: bool = False) -> dict:
+    """Calls the workers answered through the remote-call channel so far, by the name of
+    the model or resident stage (a DASK-mode task's name), summed over the workers, or
+    ``{worker address: {name: calls}}`` with ``by_worker``."""
+    per_worker = client.run(_call_totals)
+    if by_worker:
+        return per_worker
+    out: dict[str, int] = {}
+    for totals in per_worker.values():
+        for name, n in totals.items():
+            out[name] = out.get(name, 0) + n
+    return out

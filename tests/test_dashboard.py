@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 
+import dask
 import numpy as np
 import pytensor.tensor as pt
 import pytest
@@ -222,7 +223,12 @@ def dashboard_client():
 
 
 class Job:
-    """dasktensor work in a background thread until stopped: heavy Ops and a pmap."""
+    """dasktensor work in a background thread until stopped: heavy Ops and a pmap.
+
+    The function runs on the task path (``dasktensor.execute.path: tasks``), the one that
+    puts every call in Dask's task stream (the default channel path shows its calls on
+    the calls page, below).
+    """
 
     def __init__(self, client):
         x = pt.vector("x")
@@ -241,7 +247,8 @@ class Job:
     def _run(self):
         try:
             while not self.stopped.is_set():
-                assert float(self.f(np.ones(3))) == 30.0
+                with dask.config.set({"dasktensor.execute.path": "tasks"}):
+                    assert float(self.f(np.ones(3))) == 30.0
                 y = self.g(np.ones((40, 3))).compute(scheduler=self.client)
                 np.testing.assert_allclose(y, np.full(40, 3 * np.tanh(1.0)))
                 self.calls += 1
@@ -434,9 +441,7 @@ class Sampler:
 
         try:
             with self.model:
-                pm.sample(
-                    draws=150, tune=150, chains=1, cores=1, progressbar=False, random_seed=1
-                )
+                pm.sample(draws=150, tune=150, chains=1, cores=1, progressbar=False, random_seed=1)
         except BaseException as e:
             self.error = e
 

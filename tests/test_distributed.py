@@ -1,4 +1,9 @@
-"""Execution on real distributed clusters: placement, resources, keys, errors, failover."""
+"""Execution on real distributed clusters: placement, resources, keys, errors, failover.
+
+These tests run the task path (``dasktensor.execute.path: tasks``: a Dask task per cluster
+task and call), whose tasks the task stream records; ``tests/test_resident.py`` tests the
+same on the default channel path.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,12 @@ from dask.utils import key_split
 from distributed import Client, get_task_stream
 
 import dasktensor as dt
+
+
+@pytest.fixture(autouse=True)
+def task_path():
+    with dask.config.set({"dasktensor.execute.path": "tasks"}):
+        yield
 
 
 def test_annotated_tasks_run_only_on_the_worker_with_the_resource(mixed_cluster):

@@ -33,6 +33,7 @@ import warnings
 import numpy as np
 import pymc as pm
 import pytest
+from _clusters import channel_calls
 from _heavy_ops import LOG_ENV, HeavyNormalLogp, HeavyScale, read_log
 from pymc.model.core import ValueGradFunction
 
@@ -350,18 +351,6 @@ def test_sample_two_processes_identical_to_default_mode(
 # ----------------------------------------------------------------------------- 3. distributed
 
 
-def prefix_counts(client) -> dict[str, int]:
-    """How many tasks the scheduler has seen per key prefix (forgotten ones included)."""
-
-    def counts(dask_scheduler):
-        return {
-            name: sum(prefix.state_counts.values())
-            for name, prefix in dask_scheduler.task_prefixes.items()
-        }
-
-    return client.run_on_scheduler(counts)
-
-
 # each logp/dlogp call is a round trip to the cluster (50-150 ms on the 2-core machines):
 # a small model and fewer iterations than elsewhere
 CLUSTER_DRAWS = {"draws": 10, "tune": 10}
@@ -392,14 +381,14 @@ def test_sample_on_default_distributed_client(
     value_grad_functions.clear()
     log = heavy_log("dask")  # set here, after the cluster's workers started: they don't log
     with Client(process_cluster) as c:  # the default client while sampling
-        before = prefix_counts(c)
+        before = channel_calls(c)
         got = sample(model, "DASK", **kwargs)
-        after = prefix_counts(c)
+        after = channel_calls(c)
 
     assert_compiled_by_dask(value_grad_functions, multi_task=True)
     for prefix in HEAVY_PREFIXES:
         ran = after.get(prefix, 0) - before.get(prefix, 0)
-        assert ran > 0, f"no {prefix!r} task ran on the cluster: {sorted(after)}"
+        assert ran > 0, f"no {prefix!r} stage was called on the cluster: {sorted(after)}"
     # ... and none ran here or in PyMC's sampler processes
     assert read_log(log) == []
     assert_same_draws(got, expected)

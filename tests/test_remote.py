@@ -72,8 +72,11 @@ def test_eight_concurrent_calls_spread_over_four_workers(four):
     model.close()
 
 
-def test_eight_concurrent_tasks_spread_over_four_workers_in_the_task_stream(four):
-    """The DASK mode's tasks (callable Ops, not remote models) spread as Dask places them."""
+@pytest.mark.parametrize("path", ["tasks", "channel"])
+def test_eight_concurrent_tasks_spread_over_four_workers(four, path):
+    """The DASK mode's tasks (callable Ops, not remote models) spread over the workers: as
+    Dask places them (task path), or as the channel spreads calls (resident stages)."""
+    from _clusters import channel_calls
     from _ops import Scale
     from dask.utils import key_split
     from distributed import get_task_stream
@@ -81,9 +84,21 @@ def test_eight_concurrent_tasks_spread_over_four_workers_in_the_task_stream(four
     x = pt.dvector("x")
     out = sum(Scale(float(k + 1), delay=0.3)(x).sum() for k in range(8))
     f = dt.function([x], out, scheduler=four)
-    with get_task_stream(client=four) as ts:
-        assert float(f(np.ones(2))) == 2 * sum(range(1, 9))
-    workers = {r["worker"] for r in ts.data if key_split(r["key"]) == "scale-heavy"}
+    with dask.config.set({"dasktensor.execute.path": path}):
+        if path == "channel":
+            f(np.ones(2))  # builds the stages: then the calls spread over their replicas
+        before = channel_calls(four, by_worker=True)
+        with get_task_stream(client=four) as ts:
+            assert float(f(np.ones(2))) == 2 * sum(range(1, 9))
+        after = channel_calls(four, by_worker=True)
+    if path == "tasks":
+        workers = {r["worker"] for r in ts.data if key_split(r["key"]) == "scale-heavy"}
+    else:
+        workers = {
+            w
+            for w, calls in after.items()
+            if calls.get("scale-heavy", 0) > before.get(w, {}).get("scale-heavy", 0)
+        }
     assert workers == set(four.scheduler_info()["workers"])
 
 

@@ -71,7 +71,11 @@ class RemoteModel:
         Workers (addresses or names) to build the replicas on first, in this order, among
         those offering ``resources``; other workers build them when these are gone (a
         lost replica is rebuilt on the next worker of the list that is alive, else
-        anywhere).  ``replicas=1, workers=[a]`` pins the model to worker ``a``.
+        anywhere).  ``replicas=1, workers=[a]`` prefers worker ``a``.
+    allow_other_workers : bool
+        With ``False``, only the workers named in ``workers`` build replicas (Dask's
+        meaning of the word): a call with none of them alive fails with
+        ``RemoteModelError`` instead of moving elsewhere.  ``True`` by default.
 
     Examples
     --------
@@ -109,36 +113,19 @@ class RemoteModel:
         timeout: float | None = None,
         scheduler=None,
         workers=None,
+        allow_other_workers: bool = True,
     ):
-        if not callable(factory):
-            raise TypeError(f"RemoteModel expected a callable factory, got {factory!r}")
-        check_name(
-            name, "RemoteModel(name=...)", "it prefixes Dask keys and names the model's Ops"
-        )
-        placement = Placement.of("RemoteModel", resources=resources, workers=workers)
-        for option, value, low in (("replicas", replicas, 1), ("concurrency", concurrency, 1)):
-            if value is not None and not (isinstance(value, int) and value >= low):
-                raise ValueError(
-                    f"RemoteModel({option}=...) expected an int >= {low}, got {value!r}"
-                )
-        if not (isinstance(retries, int) and retries >= 0):
-            raise ValueError(f"RemoteModel(retries=...) expected an int >= 0, got {retries!r}")
-        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
-            raise ValueError(
-                f"RemoteModel(timeout=...) expected a number of seconds > 0, got {timeout!r}"
-            )
-        self._spec = ModelSpec(
-            # identity of the model on the cluster; copies made by pickling share it
-            key=f"{name}-{uuid.uuid4().hex[:16]}",
+        self._spec = _checked_spec(
+            factory,
             name=name,
-            factory=factory,
-            resources=dict(resources or {}),
+            resources=resources,
             replicas=replicas,
             concurrency=concurrency,
             retries=retries,
             timeout=timeout,
-            scheduler=SchedulerRef(scheduler),
-            workers=placement.workers,
+            scheduler=scheduler,
+            workers=workers,
+            allow_other_workers=allow_other_workers,
         )
 
     # -- options (read-only: they are the model's identity on the cluster) -----------------
@@ -152,6 +139,7 @@ class RemoteModel:
     retries = _option("retries", "Times a call that raised is run again.")
     timeout = _option("timeout", "Seconds after which a call fails (None: no limit).")
     preferred_workers = _option("workers", "Workers the replicas are built on first (in order).")
+    only_workers = _option("only_workers", "Whether replicas live on ``workers`` alone.")
 
     def __repr__(self) -> str:
         return repr(self._spec)
@@ -235,3 +223,52 @@ class RemoteModel:
     def build_counts(self) -> dict[str, int]:
         """How many times ``factory()`` ran on each worker that ever built the model."""
         return build_counts(self._spec)
+
+
+def _checked_spec(
+    factory,
+    *,
+    name,
+    resources,
+    replicas,
+    concurrency,
+    retries,
+    timeout,
+    scheduler,
+    workers,
+    allow_other_workers,
+) -> ModelSpec:
+    """``RemoteModel``'s options, checked, as a :class:`ModelSpec` with a fresh key."""
+    if not callable(factory):
+        raise TypeError(f"RemoteModel expected a callable factory, got {factory!r}")
+    check_name(name, "RemoteModel(name=...)", "it prefixes Dask keys and names the model's Ops")
+    placement = Placement.of(
+        "RemoteModel",
+        resources=resources,
+        workers=workers,
+        # Placement's rule: allow_other_workers=True needs workers= to prefer
+        allow_other_workers=allow_other_workers and workers is not None,
+    )
+    for option, value, low in (("replicas", replicas, 1), ("concurrency", concurrency, 1)):
+        if value is not None and not (isinstance(value, int) and value >= low):
+            raise ValueError(f"RemoteModel({option}=...) expected an int >= {low}, got {value!r}")
+    if not (isinstance(retries, int) and retries >= 0):
+        raise ValueError(f"RemoteModel(retries=...) expected an int >= 0, got {retries!r}")
+    if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
+        raise ValueError(
+            f"RemoteModel(timeout=...) expected a number of seconds > 0, got {timeout!r}"
+        )
+    return ModelSpec(
+        # identity of the model on the cluster; copies made by pickling share it
+        key=f"{name}-{uuid.uuid4().hex[:16]}",
+        name=name,
+        factory=factory,
+        resources=dict(resources or {}),
+        replicas=replicas,
+        concurrency=concurrency,
+        retries=retries,
+        timeout=timeout,
+        scheduler=SchedulerRef(scheduler),
+        workers=placement.workers,
+        only_workers=placement.workers is not None and not placement.allow_other_workers,
+    )

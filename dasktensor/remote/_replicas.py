@@ -123,6 +123,14 @@ class ReplicaSet:
             check_resources(client, [Placement(resources=spec.resources)])
         workers = scheduler_workers(client)
         eligible = [a for a, w in workers.items() if offers(w.get("resources"), spec.resources)]
+        if spec.only_workers:
+            eligible = [a for a in eligible if a in _named(spec, eligible, workers)]
+            if not eligible:
+                raise RemoteModelError(
+                    f"{spec!r}: expected one of its workers {list(spec.workers)} (it may run "
+                    f"on these alone), the cluster at {client.scheduler.address} has "
+                    f"{sorted(workers) or 'no workers'}"
+                )
         if not eligible:  # pragma: no cover - check_resources waits for such workers
             raise RemoteModelError(
                 f"{spec!r}: expected workers to build the model on, the cluster at "
@@ -197,9 +205,14 @@ def _in_order(spec: ModelSpec, free: list[str], workers: dict[str, dict]) -> lis
     model's key, so that models spread over the workers."""
     start = int(spec.key.rsplit("-", 1)[1], 16) % len(free)
     others = free[start:] + free[:start]
-    names = {a: workers.get(a, {}).get("name") for a in free}
-    preferred = [a for w in spec.workers or () for a in free if w == a or str(w) == str(names[a])]
-    return list(dict.fromkeys(preferred + others))
+    return list(dict.fromkeys(_named(spec, free, workers) + others))
+
+
+def _named(spec: ModelSpec, among: list[str], workers: dict[str, dict]) -> list[str]:
+    """The addresses among ``among`` of the model's ``workers`` (addresses or names), in
+    the order the model names them."""
+    names = {a: workers.get(a, {}).get("name") for a in among}
+    return [a for w in spec.workers or () for a in among if w == a or str(w) == str(names[a])]
 
 
 def replica_set(spec: ModelSpec) -> ReplicaSet:

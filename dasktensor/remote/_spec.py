@@ -51,6 +51,8 @@ class ModelSpec:
         The cluster.
     workers : tuple of str or None
         Workers to build replicas on first, in order (None: any eligible worker).
+    only_workers : bool
+        Replicas live on ``workers`` alone (``allow_other_workers=False``).
     """
 
     key: str
@@ -63,6 +65,7 @@ class ModelSpec:
     timeout: float | None
     scheduler: SchedulerRef
     workers: tuple[str, ...] | None = None
+    only_workers: bool = False
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ModelSpec) and other.key == self.key
