@@ -29,7 +29,8 @@ from dasktensor import _compat
 from dasktensor._cluster import SchedulerRef
 from dasktensor._execute import PlanExecutor
 from dasktensor._plan import Plan, plan_graph
-from dasktensor._sharded import ShardedExecutor, ShardedThunk, analyse, check_shards, describe
+from dasktensor._shard_policy import analyse, check_shards, describe
+from dasktensor._sharded import ShardedExecutor, ShardedThunk
 
 _BACKEND_LINKER = _compat.backend_mode().linker
 

@@ -61,6 +61,7 @@ whose inner graphs compute the same values, and are inlined before the analysis.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -81,6 +82,7 @@ from dasktensor._shard_rules import (
     rebuild,
     toposort,
 )
+from dasktensor._weights import is_product
 
 _UFUNCS = {
     "add": np.add,
@@ -196,6 +198,8 @@ class ShardPlan:
     rest_inputs: tuple[Variable, ...]
     assumptions: tuple[Variable, ...]
     _graphs: tuple = field(repr=False)
+    #: estimated element operations of one evaluation over all rows (:func:`work_of`)
+    work: float = 0.0
 
     def partial_graph(self) -> FunctionGraph:
         """Inputs: a slice of each data input (row axis of unknown length), then
@@ -441,6 +445,7 @@ class _Analysis:
         )
         for inputs, outs in graphs:  # the graphs must be valid (no in-place Op, no input
             FunctionGraph(inputs, outs, clone=True)  # missing) before the plan is given
+        shard_nodes = tuple(sorted({n for n in visited if n in self.outcomes}, key=order.get))
         return ShardPlan(
             fgraph=self.fgraph,
             n_rows=self.n_rows,
@@ -449,9 +454,43 @@ class _Analysis:
                 Partial(a.outputs[0], self.outcomes[a].kind, self.outcomes[a].finish is not None)
                 for a in accs
             ),
-            shard_nodes=tuple(sorted({n for n in visited if n in self.outcomes}, key=order.get)),
+            shard_nodes=shard_nodes,
             param_inputs=tuple(params),
             rest_inputs=tuple(rest),
             assumptions=tuple(cases),
             _graphs=graphs,
+            work=sum(work_of(n, self._elements) for n in shard_nodes),
         )
+
+    def _elements(self, var: Variable) -> float:
+        """Elements of a row-aligned value over all rows (unknown lengths count 1), or 0."""
+        row = self.status.get(var)
+        if not isinstance(row, Row):
+            return 0.0
+        shape = self.shapes.get(var) or var.type.shape
+        return self.n_rows * math.prod(
+            d if d is not None else 1 for i, d in enumerate(shape) if i != row.axis
+        )
+
+
+def work_of(node: Apply, elements) -> float:
+    """Element operations of one row-aligned node over all rows: the largest row-aligned
+    value it reads or makes (``elements(var)``), times 2 for a matrix product (a multiply
+    and an add per element of the operand holding the rows), times the scalar operations
+    of a fused elementwise node.
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> x = pt.matrix("x", shape=(None, 3))
+    >>> product = (x @ pt.matrix("b", shape=(3, 1))).owner
+    >>> work_of(product, lambda v: 1000.0 * 3 if v is x else 0.0)
+    6000.0
+    >>> work_of(pt.exp(x).owner, lambda v: 1000.0 * 3)
+    3000.0
+    """
+    largest = max((elements(v) for v in (*node.inputs, *node.outputs)), default=0.0)
+    if is_product(node.op):
+        return 2.0 * largest
+    inner = getattr(getattr(node.op, "scalar_op", None), "fgraph", None)  # a fused Composite
+    return largest * (len(inner.apply_nodes) if inner is not None else 1)

@@ -5,9 +5,11 @@ PyMC's log-density and its gradient are sums over the observed rows.  When
 graph (data with at least ``dasktensor.shard.min-rows`` rows, or as ``shards=`` says), the
 linker wraps its thunk in a :class:`ShardedThunk`, and on a distributed client:
 
-* **K shards.**  ``shards=K`` gives K; by default K is the number of workers when the
-  shards are built (one shard per worker; a single worker: no sharding).  Shard ``i``
-  holds rows ``ShardPlan.slices(K)[i]`` of every data input.
+* **K shards.**  ``shards=K`` gives K.  By default K comes from the workers and a cost
+  estimate (:mod:`dasktensor._shard_policy`): one shard per worker when the shards are
+  built, but no more than the estimated work holds ``dasktensor.shard.min-work`` in
+  each; a small model, or a single worker, is not sharded.  Shard ``i`` holds rows
+  ``ShardPlan.slices(K)[i]`` of every data input.
 * **One resident stage per shard** (:class:`ShardStages`): a remote model
   (``dasktensor.remote``) with one replica, built first on worker ``i`` (workers in
   address order), whose factory (:class:`ShardFactory`) carries the compiled partial
@@ -54,92 +56,8 @@ from dasktensor import _config
 from dasktensor._cluster import SchedulerRef, scheduler_workers
 from dasktensor._runners import TaskRunner
 from dasktensor._shard import NotSharded, ShardPlan, find_shards
+from dasktensor._shard_policy import describe, min_rows, min_work, n_shards, worth_it
 from dasktensor.remote import RemoteMethod, RemoteModel
-
-
-def check_shards(shards, owner: str = "shards="):
-    """``None`` (one shard per worker), ``0`` (off) or a number of shards ``K >= 1``.
-
-    Examples
-    --------
-    >>> [check_shards(v) for v in (None, True, False, 0, 4)]
-    [None, None, 0, 0, 4]
-    """
-    if shards is None or shards is True:
-        return None
-    if shards is False:
-        return 0
-    if isinstance(shards, int | np.integer) and shards >= 0:
-        return int(shards)
-    raise ValueError(
-        f"{owner} expected None (one shard per worker), an int K >= 1 (K shards) or "
-        f"False/0 (no sharding), got {shards!r}"
-    )
-
-
-def analyse(fgraph, shards) -> ShardPlan | NotSharded:
-    """:func:`~dasktensor._shard.find_shards` as the linker runs it, or why it does not.
-
-    Examples
-    --------
-    >>> analyse(None, 0)
-    NotSharded(reason='turned off (shards=False)')
-    """
-    if shards == 0:
-        return NotSharded("turned off (shards=False)")
-    if getattr(fgraph, "update_mapping", None):
-        return NotSharded("the function updates shared variables")
-    rows = min_rows()
-    try:
-        return find_shards(fgraph, min_rows=rows)
-    except Exception as e:  # an analysis error must not break compiling the function
-        return NotSharded(f"the analysis failed ({type(e).__name__}: {e})")
-
-
-def min_rows() -> int:
-    """``dasktensor.shard.min-rows``, checked."""
-    value = _config.get("shard.min-rows")
-    if not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"dasktensor.shard.min-rows expected an int >= 1, got {value!r}")
-    return int(value)
-
-
-def describe(plan: ShardPlan | NotSharded, shards, now: str | None = None) -> str:
-    """What ``print(f.plan)`` says of sharding: over which data, how many shards and why.
-
-    Examples
-    --------
-    >>> print(describe(NotSharded("no data input with >= 100000 rows"), None))
-    not sharded: no data input with >= 100000 rows
-    """
-    if not plan:
-        return f"not sharded: {plan.reason}"
-    how = f"{shards} shards (shards={shards})" if shards else "one shard per worker"
-    data = ", ".join(f"{d.name} (axis {d.axis})" for d in plan.data)
-    params = ", ".join(str(v) for v in plan.param_inputs) or "none"
-    kinds = ", ".join(f"{p.kind}{p.variable.type.shape}" for p in plan.partials)
-    lines = [
-        f"sharded: into {how}, over the {plan.n_rows} rows of {data}",
-        (
-            "  why: every output is an exact sum over these rows, and they are at least "
-            "dasktensor.shard.min-rows"
-        ),
-        (
-            f"  each shard: a resident stage on its own worker holding its rows "
-            f"({len(plan.shard_nodes)} nodes); a call sends the parameters ({params}) and "
-            f"sums the partial values ({kinds}) here, where the rest runs"
-        ),
-        "  without a distributed client, or with one worker: unsharded, as planned below",
-    ]
-    if plan.assumptions:
-        lines.append(
-            f"  assumed true: {len(plan.assumptions)} check(s) over all rows "
-            "(a false one costs a second round)"
-        )
-    if now:
-        lines.append(f"  now: {now}")
-    return "\n".join(lines)
-
 
 # ----------------------------------------------------------------------------- workers
 
@@ -310,7 +228,8 @@ class ShardedExecutor:
 
     def __init__(self, fgraph, plan: ShardPlan, shards, scheduler: SchedulerRef, on_change=None):
         self.fgraph, self.shards, self.scheduler = fgraph, shards, scheduler
-        self.min_rows = min_rows()  # the setting when the function was linked
+        # the settings when the function was linked
+        self.min_rows, self.min_work = min_rows(), min_work()
         self.on_change = on_change
         self.split: Split | None = Split(plan, fgraph)
         self.result: ShardPlan | NotSharded = plan
@@ -363,14 +282,15 @@ class ShardedExecutor:
         split = self.split
         data = split.data_values(values) if split is not None else None
         if split is None or not split.fits(data):
-            self.result = find_shards(self.fgraph, min_rows=self.min_rows)
+            found = find_shards(self.fgraph, min_rows=self.min_rows)
+            self.result = worth_it(found, self.shards, self.min_work)
             self.split = split = Split(self.result, self.fgraph) if self.result else None
             self._changed()
             if split is None:
                 return _Entry(self.key(values))
             data = split.data_values(values)
         workers = sorted(scheduler_workers(client))
-        k = min(self.shards or len(workers), split.plan.n_rows)
+        k = n_shards(split.plan, self.shards, len(workers), self.min_work)
         if k < 2 and not self.shards:  # one worker: look again after a while
             self._changed(f"unsharded, the cluster at {address} has {len(workers)} worker(s)")
             later = time.monotonic() + _config.seconds("remote.refresh-interval")

@@ -140,6 +140,20 @@ def is_remote(node: Apply) -> bool:
 _PRODUCT_OPS = re.compile(r"Dot|Gemm|Gemv|Ger|MatMul|Matmul|BatchedDot|Dot22", re.ASCII)
 
 
+def is_product(op) -> bool:
+    """Whether ``op`` is a matrix product (``Dot``, BLAS ``Gemv``/``Gemm``, ``MatMul``...),
+    or a ``Blockwise`` of one.
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> is_product((pt.matrix() @ pt.matrix()).owner.op), is_product(pt.exp(pt.vector()).owner.op)
+    (True, False)
+    """
+    core = getattr(op, "core_op", op)
+    return bool(_PRODUCT_OPS.search(type(core).__name__) or _PRODUCT_OPS.search(type(op).__name__))
+
+
 def estimated_flops(node: Apply) -> float:
     """Floating-point work of ``node`` estimated from static shapes (``nan`` if unknown).
 
@@ -162,9 +176,7 @@ def estimated_flops(node: Apply) -> float:
             return math.nan
         return float(math.prod(shape))
 
-    op = node.op
-    core = getattr(op, "core_op", op)
-    if _PRODUCT_OPS.search(type(core).__name__) or _PRODUCT_OPS.search(type(op).__name__):
+    if is_product(node.op):
         out = max((size(o) for o in node.outputs), default=math.nan)
         k = math.nan
         for inp in node.inputs:

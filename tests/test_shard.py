@@ -232,6 +232,22 @@ def test_small_model_is_not_sharded():
     assert check_model(model, min_rows=100).n_rows == 500
 
 
+def test_the_work_estimate_grows_with_rows_and_columns():
+    def work(n, k):
+        X, y = design(n=n, k=k)
+        with pm.Model() as model:
+            beta = pm.Normal("beta", 0, 1, shape=k)
+            sigma = pm.HalfNormal("sigma")
+            pm.Normal("y", X @ beta, sigma, observed=y)
+        return check_model(model, min_rows=100).work
+
+    base = work(1000, 3)
+    assert work(2000, 3) == 2 * base
+    # X @ beta and X.T @ g: 2 operations per element of X each, and 2 more columns of X
+    assert work(1000, 5) - base == 2 * 2 * 2 * 1000
+    assert base > 2 * 2 * 3 * 1000  # the elementwise terms count too
+
+
 # ---------------------------------------------------------------- rules, one by one
 
 n = 12

@@ -2,8 +2,8 @@
 
 Real PyMC models, compiled as ``pm.sample`` compiles them
 (``model.logp_dlogp_function(ravel_inputs=True, mode=...)``), on real worker processes.
-The data are small (a few thousand rows) and ``dasktensor.shard.min-rows`` is lowered
-while compiling, so that the tests stay fast; values and gradients must equal the default
+The data are small (a few thousand rows) and ``dasktensor.shard.min-rows`` and
+``dasktensor.shard.min-work`` are lowered while compiling, so that the tests stay fast; values and gradients must equal the default
 mode's to round-off (sharding changes the order of additions only).
 """
 
@@ -20,10 +20,12 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dasktensor as dt
-from dasktensor._sharded import ShardServer, check_shards
+from dasktensor._shard_policy import check_shards
+from dasktensor._sharded import ShardServer
 
 N = 3000
-MIN_ROWS = {"dasktensor.shard.min-rows": 1000}
+# small data sharded all the same: fewer rows, and no least work per shard
+MIN_ROWS = {"dasktensor.shard.min-rows": 1000, "dasktensor.shard.min-work": 0}
 RTOL = 1e-10
 RNG = np.random.default_rng(7)
 
@@ -103,9 +105,10 @@ def ar1_data_model():
 # ----------------------------------------------------------------------------- helpers
 
 
-def compiled(model, scheduler, shards=2, min_rows=1000):
+def compiled(model, scheduler, shards=2, min_rows=1000, min_work=0):
     """(DASK-mode logp+dlogp function with sharding, default-mode function)."""
-    with dask.config.set({"dasktensor.shard.min-rows": min_rows}):
+    settings = {"dasktensor.shard.min-rows": min_rows, "dasktensor.shard.min-work": min_work}
+    with dask.config.set(settings):
         mode = dt.dask_mode(scheduler=scheduler, shards=shards)
         f = model.logp_dlogp_function(ravel_inputs=True, mode=mode)._pytensor_function
     ref = model.logp_dlogp_function(ravel_inputs=True)._pytensor_function
@@ -277,6 +280,42 @@ def test_turned_off_and_without_a_client(client):
     assert g.maker.linker.sharded.stats == {"calls": 0, "rounds": 0, "bytes_sent": 0, "builds": 0}
     with pytest.raises(ValueError, match="shards"):
         check_shards(-1)
+
+
+def test_the_cost_estimate_decides_whether_and_into_how_many_shards(client):
+    model = linear_regression()
+    plan = compiled(model, client, shards=2)[0].maker.linker.sharded.split.plan
+    # a few thousand rows are far less than two shards' worth of the default min-work
+    f, ref = compiled(model, client, shards=None, min_work=dt_default("shard.min-work"))
+    text = str(f.maker.linker.plan)
+    assert "not sharded: the estimated work of an evaluation" in text, text
+    assert f"{plan.work:.1e} element operations over {N} rows" in text
+    assert f.maker.linker.sharded is None
+    assert_same(f, ref, points_for(f, 2))
+    # work for 1.5 shards: unsharded; for 2.5: one shard per worker (2); shards=K overrides
+    assert (
+        compiled(model, client, shards=None, min_work=plan.work / 1.5)[0].maker.linker.sharded
+        is None
+    )
+    g, _ = compiled(model, client, shards=None, min_work=plan.work / 2.5)
+    assert_same(g, ref, points_for(g, 2))
+    assert [len(s.models) for s in g.maker.linker.sharded.stages()] == [2]
+    h, _ = compiled(model, client, shards=3, min_work=plan.work)
+    assert_same(h, ref, points_for(h, 1))
+    assert [len(s.models) for s in h.maker.linker.sharded.stages()] == [3]
+
+
+def dt_default(key: str):
+    """A dasktensor setting's value as shipped (dasktensor.yaml)."""
+    import yaml
+
+    import dasktensor
+
+    with open(os.path.join(os.path.dirname(dasktensor.__file__), "dasktensor.yaml")) as f:
+        value = yaml.safe_load(f)["dasktensor"]
+    for part in key.split("."):
+        value = value[part]
+    return value
 
 
 def test_one_worker_is_not_sharded():
