@@ -238,4 +238,3 @@ def connect(
             )
     show_calls_page(client)
     return client
-

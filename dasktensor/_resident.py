@@ -69,9 +69,7 @@ class StageServer:
         values = dict(given)
         with self.lock:
             missing = [
-                p
-                for p, token in tokens
-                if p not in values and self.held.get(p, ("",))[0] != token
+                p for p, token in tokens if p not in values and self.held.get(p, ("",))[0] != token
             ]
             if missing:
                 return ["need", missing]

@@ -239,10 +239,7 @@ class ShardPlan:
 
     def reduce(self, per_shard: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
         """Totals of the partial values: ``per_shard[k][j]`` is partial ``j`` of shard k."""
-        return [
-            functools.reduce(_UFUNCS[p.kind], [np.asarray(s[j]) for s in per_shard])
-            for j, p in enumerate(self.partials)
-        ]
+        return combine([p.kind for p in self.partials], per_shard)
 
     def __str__(self) -> str:
         data = ", ".join(f"{d.name} (axis {d.axis})" for d in self.data)
@@ -251,6 +248,21 @@ class ShardPlan:
             f"ShardPlan: {self.n_rows} rows of {data}; {len(self.shard_nodes)} nodes "
             f"per shard; partials: {parts}"
         )
+
+
+def combine(kinds: Sequence[str], parts: Sequence[Sequence[np.ndarray]]) -> list[np.ndarray]:
+    """Partial values of several parts of the rows combined: ``parts[k][j]`` is partial
+    ``j`` of part ``k``, combined by ``kinds[j]`` (``Partial.kind``).
+
+    Examples
+    --------
+    >>> combine(["add", "max"], [[1.0, 2.0], [3.0, 1.0]])
+    [np.float64(4.0), np.float64(2.0)]
+    """
+    return [
+        functools.reduce(_UFUNCS[kind], [np.asarray(part[j]) for part in parts])
+        for j, kind in enumerate(kinds)
+    ]
 
 
 def _label(var: Variable) -> str:

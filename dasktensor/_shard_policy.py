@@ -95,6 +95,14 @@ def min_rows() -> int:
     return int(value)
 
 
+def block_rows() -> int:
+    """``dasktensor.shard.block-rows``, checked (0: a shard runs all its rows at once)."""
+    value = _config.get("shard.block-rows")
+    if not isinstance(value, int | np.integer) or value < 0:
+        raise ValueError(f"dasktensor.shard.block-rows expected an int >= 0, got {value!r}")
+    return int(value)
+
+
 def min_work() -> float:
     """``dasktensor.shard.min-work``, checked."""
     value = _config.get("shard.min-work")

@@ -48,6 +48,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
@@ -55,8 +56,15 @@ from pytensor.compile.sharedvalue import SharedVariable
 from dasktensor import _config
 from dasktensor._cluster import SchedulerRef, scheduler_workers
 from dasktensor._runners import TaskRunner
-from dasktensor._shard import NotSharded, ShardPlan, find_shards
-from dasktensor._shard_policy import describe, min_rows, min_work, n_shards, worth_it
+from dasktensor._shard import NotSharded, ShardPlan, combine, find_shards
+from dasktensor._shard_policy import (
+    block_rows,
+    describe,
+    min_rows,
+    min_work,
+    n_shards,
+    worth_it,
+)
 from dasktensor.remote import RemoteMethod, RemoteModel
 
 # ----------------------------------------------------------------------------- workers
@@ -64,6 +72,12 @@ from dasktensor.remote import RemoteMethod, RemoteModel
 
 class ShardServer:
     """On a worker: a shard's rows and the compiled partial graph that reads them.
+
+    With ``blocks`` (a :class:`Blocks`), the rows are run through the partial graph a
+    block at a time and the blocks' partial values combined as the shards' are: a block
+    of ~10^5 rows keeps the graph's intermediate arrays in the processor's caches, which
+    a shard of 10^6 rows does not (measured here: one pass over 10^6 rows of the P9
+    linear regression took 20.6 ms, the same rows in blocks of 131,072 rows 14.6 ms).
 
     Examples
     --------
@@ -73,9 +87,13 @@ class ShardServer:
     [np.float64(2.0)]
     >>> server.calls, server.received, server.held
     (1, 8, 24)
+    >>> blocks = Blocks(axes=(0,), kinds=("add", "max"), rows=2)  # rows [0:2], [2:4], [4:5]
+    >>> blocked = ShardServer(lambda r: (r.sum(), r.max()), [np.arange(5.0)], blocks)
+    >>> blocked.ranges[-1], blocked.run()
+    (slice(4, 5, None), [np.float64(10.0), np.float64(4.0)])
     """
 
-    def __init__(self, runner, rows):
+    def __init__(self, runner, rows, blocks: Blocks | None = None):
         # rows unpickled from a network frame may be read-only or unaligned
         self.rows = [np.require(r, requirements=["A", "W"]) for r in rows]
         self.runner = runner
@@ -83,12 +101,39 @@ class ShardServer:
         #: bytes of arguments received by calls (the rows came with the build)
         self.received = 0
         self.held = sum(r.nbytes for r in self.rows)
+        self.blocks = blocks
+        n = self.rows[0].shape[blocks.axes[0]] if blocks and self.rows else 0
+        step = blocks.rows if blocks else 0
+        #: the row ranges run one at a time (empty: all rows at once)
+        self.ranges = [slice(a, min(a + step, n)) for a in range(0, n, step)] if n > step else []
 
     def run(self, *args) -> list:
         """The partial values of this shard for these parameters and guesses."""
         self.calls += 1
         self.received += sum(getattr(a, "nbytes", 0) for a in args)
-        return list(self.runner(*self.rows, *args))
+        if not self.ranges:
+            return list(self.runner(*self.rows, *args))
+        axes = self.blocks.axes
+        per_block = [
+            [
+                np.array(v)  # the runner may reuse its output buffers
+                for v in self.runner(
+                    *(r[(slice(None),) * ax + (rows,)] for r, ax in zip(self.rows, axes)), *args
+                )
+            ]
+            for rows in self.ranges
+        ]
+        return combine(self.blocks.kinds, per_block)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """How a shard runs its rows: ``rows`` at a time along each data input's ``axes``,
+    the partial values combined by ``kinds`` (``Partial.kind``)."""
+
+    axes: tuple[int, ...]
+    kinds: tuple[str, ...]
+    rows: int
 
 
 class ShardFactory:
@@ -102,9 +147,10 @@ class ShardFactory:
     (32, [np.float64(4.0)])
     """
 
-    def __init__(self, runner, rows):
+    def __init__(self, runner, rows, blocks: Blocks | None = None):
         self.runner = runner
         self.rows = list(rows)
+        self.blocks = blocks
 
     @property
     def nbytes(self) -> int:
@@ -112,7 +158,7 @@ class ShardFactory:
         return int(sum(r.nbytes for r in self.rows))
 
     def __call__(self) -> ShardServer:
-        return ShardServer(self.runner, self.rows)
+        return ShardServer(self.runner, self.rows, self.blocks)
 
 
 # ----------------------------------------------------------------------------- caller
@@ -132,6 +178,9 @@ class Split:
         self.data = [where.get(d.variable) for d in plan.data]  # None: a constant
         self.total_dtypes = [v.type.dtype for v in comb.inputs[len(plan.rest_inputs) :]]
         self.n_out = len(fgraph.outputs)
+        rows = block_rows()  # the setting when the function was linked
+        axes, kinds = tuple(d.axis for d in plan.data), tuple(p.kind for p in plan.partials)
+        self.blocks = Blocks(axes, kinds, rows) if rows else None
 
     def data_values(self, values) -> list:
         """The data inputs' values in this call (constants: their data)."""
@@ -157,7 +206,7 @@ class ShardStages:
             parts = [d.take(v, rows) for d, v in zip(split.plan.data, data)]
             self.models.append(
                 RemoteModel(
-                    ShardFactory(split.partial, parts),
+                    ShardFactory(split.partial, parts, split.blocks),
                     name="shard",
                     replicas=1,
                     workers=order or None,

@@ -24,8 +24,14 @@ from dasktensor._shard_policy import check_shards
 from dasktensor._sharded import ShardServer
 
 N = 3000
-# small data sharded all the same: fewer rows, and no least work per shard
-MIN_ROWS = {"dasktensor.shard.min-rows": 1000, "dasktensor.shard.min-work": 0}
+# small data sharded all the same: fewer rows, no least work per shard, and shards that
+# run their rows in several blocks (1,500 rows per shard: 400, 400, 400, 300)
+BLOCK_ROWS = 400
+MIN_ROWS = {
+    "dasktensor.shard.min-rows": 1000,
+    "dasktensor.shard.min-work": 0,
+    "dasktensor.shard.block-rows": BLOCK_ROWS,
+}
 RTOL = 1e-10
 RNG = np.random.default_rng(7)
 
@@ -105,9 +111,13 @@ def ar1_data_model():
 # ----------------------------------------------------------------------------- helpers
 
 
-def compiled(model, scheduler, shards=2, min_rows=1000, min_work=0):
+def compiled(model, scheduler, shards=2, min_rows=1000, min_work=0, block_rows=BLOCK_ROWS):
     """(DASK-mode logp+dlogp function with sharding, default-mode function)."""
-    settings = {"dasktensor.shard.min-rows": min_rows, "dasktensor.shard.min-work": min_work}
+    settings = {
+        "dasktensor.shard.min-rows": min_rows,
+        "dasktensor.shard.min-work": min_work,
+        "dasktensor.shard.block-rows": block_rows,
+    }
     with dask.config.set(settings):
         mode = dt.dask_mode(scheduler=scheduler, shards=shards)
         f = model.logp_dlogp_function(ravel_inputs=True, mode=mode)._pytensor_function
@@ -161,6 +171,22 @@ def test_models_shard_one_per_worker_and_equal_the_default_mode(client, make):
     held = shards_on(client, f)
     assert sorted(len(h) for h in held.values()) == [1, 1], held  # one shard per worker
     assert f.maker.linker.sharded.stats["builds"] == 1
+
+
+def _blocks_here(keys, dask_worker=None):
+    """On a worker: ``{key: number of row blocks}`` of the shard stages among ``keys``."""
+    replicas = dask_worker.plugins["dasktensor-models"].replicas
+    return {k: len(r.model.ranges) for k, r in replicas.items() if k in keys}
+
+
+@pytest.mark.parametrize("block_rows", [0, BLOCK_ROWS, 1], ids=["whole", "blocks", "rows"])
+def test_shards_run_their_rows_in_blocks(client, block_rows):
+    f, ref = compiled(hierarchical(), client, block_rows=block_rows)
+    assert_same(f, ref, points_for(f))
+    keys = [m.key for s in f.maker.linker.sharded.stages() for m in s.models]
+    blocks = sorted(n for b in client.run(_blocks_here, keys).values() for n in b.values())
+    expected = {0: 0, BLOCK_ROWS: -(-(N // 2) // BLOCK_ROWS), 1: N // 2}[block_rows]
+    assert blocks == [expected, expected]
 
 
 def test_a_failed_parameter_check_costs_a_second_round(client):
