@@ -2,9 +2,11 @@
 
 Real PyMC models, compiled as ``pm.sample`` compiles them
 (``model.logp_dlogp_function(ravel_inputs=True, mode=...)``), on real worker processes.
-The data are small (a few thousand rows) and ``dasktensor.shard.min-rows`` and
-``dasktensor.shard.min-work`` are lowered while compiling, so that the tests stay fast; values and gradients must equal the default
-mode's to round-off (sharding changes the order of additions only).
+The data are small (a few thousand rows) and ``dasktensor.shard.min-rows``,
+``dasktensor.shard.min-work`` and ``dasktensor.shard.block-rows`` are lowered while
+compiling, so that the tests stay fast and shards run their rows in several blocks;
+values and gradients must equal the default mode's to round-off (sharding changes the
+order of additions only).
 """
 
 from __future__ import annotations
