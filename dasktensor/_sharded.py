@@ -94,8 +94,9 @@ class ShardServer:
     """
 
     def __init__(self, runner, rows, blocks: Blocks | None = None):
-        # rows unpickled from a network frame may be read-only or unaligned
-        self.rows = [np.require(r, requirements=["A", "W"]) for r in rows]
+        # rows unpickled from a network frame may be read-only, unaligned or strided (a
+        # shard of X.T's columns): one C-ordered copy, so that blocks are contiguous runs
+        self.rows = [np.require(r, requirements=["C", "A", "W"]) for r in rows]
         self.runner = runner
         self.calls = 0
         #: bytes of arguments received by calls (the rows came with the build)
