@@ -82,7 +82,7 @@ from dasktensor._shard_rules import (
     rebuild,
     toposort,
 )
-from dasktensor._weights import is_product
+from dasktensor._weights import work_of
 
 _UFUNCS = {
     "add": np.add,
@@ -198,7 +198,7 @@ class ShardPlan:
     rest_inputs: tuple[Variable, ...]
     assumptions: tuple[Variable, ...]
     _graphs: tuple = field(repr=False)
-    #: estimated element operations of one evaluation over all rows (:func:`work_of`)
+    #: estimated element operations of one evaluation over all rows (:func:`~dasktensor._weights.work_of`)
     work: float = 0.0
 
     def partial_graph(self) -> FunctionGraph:
@@ -483,26 +483,3 @@ class _Analysis:
         return self.n_rows * math.prod(
             d if d is not None else 1 for i, d in enumerate(shape) if i != row.axis
         )
-
-
-def work_of(node: Apply, elements) -> float:
-    """Element operations of one row-aligned node over all rows: the largest row-aligned
-    value it reads or makes (``elements(var)``), times 2 for a matrix product (a multiply
-    and an add per element of the operand holding the rows), times the scalar operations
-    of a fused elementwise node.
-
-    Examples
-    --------
-    >>> import pytensor.tensor as pt
-    >>> x = pt.matrix("x", shape=(None, 3))
-    >>> product = (x @ pt.matrix("b", shape=(3, 1))).owner
-    >>> work_of(product, lambda v: 1000.0 * 3 if v is x else 0.0)
-    6000.0
-    >>> work_of(pt.exp(x).owner, lambda v: 1000.0 * 3)
-    3000.0
-    """
-    largest = max((elements(v) for v in (*node.inputs, *node.outputs)), default=0.0)
-    if is_product(node.op):
-        return 2.0 * largest
-    inner = getattr(getattr(node.op, "scalar_op", None), "fgraph", None)  # a fused Composite
-    return largest * (len(inner.apply_nodes) if inner is not None else 1)

@@ -10,6 +10,8 @@ Every node of a graph gets a :class:`Weight`, which :mod:`dasktensor._plan` part
 
 :func:`op_label` turns an Op into the dashboard-friendly prefix of its task keys, and
 :func:`is_remote` tells the calls that the caller makes itself (remote model calls).
+:func:`work_of` is the other cost rule, the one sharding uses (element operations over
+data rows, see :mod:`dasktensor._shard_policy`).
 """
 
 from __future__ import annotations
@@ -207,3 +209,26 @@ def node_weight(node: Apply, heavy_flops: float) -> Weight:
     if flops >= heavy_flops:  # nan compares False
         return Weight("costly", f"~{flops:.1e} flops >= heavy-flops")
     return Weight("cheap", "cheap")
+
+
+def work_of(node: Apply, elements) -> float:
+    """Element operations of one row-aligned node over all rows: the largest row-aligned
+    value it reads or makes (``elements(var)``), times 2 for a matrix product (a multiply
+    and an add per element of the operand holding the rows), times the scalar operations
+    of a fused elementwise node.
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> x = pt.matrix("x", shape=(None, 3))
+    >>> product = (x @ pt.matrix("b", shape=(3, 1))).owner
+    >>> work_of(product, lambda v: 1000.0 * 3 if v is x else 0.0)
+    6000.0
+    >>> work_of(pt.exp(x).owner, lambda v: 1000.0 * 3)
+    3000.0
+    """
+    largest = max((elements(v) for v in (*node.inputs, *node.outputs)), default=0.0)
+    if is_product(node.op):
+        return 2.0 * largest
+    inner = getattr(getattr(node.op, "scalar_op", None), "fgraph", None)  # a fused Composite
+    return largest * (len(inner.apply_nodes) if inner is not None else 1)
