@@ -131,7 +131,17 @@ class RowData:
 
     def take(self, value: np.ndarray, rows: slice) -> np.ndarray:
         """The rows ``rows`` of ``value``, along this input's row axis (a view)."""
-        return value[(slice(None),) * self.axis + (rows,)]
+        return take_rows(value, self.axis, rows)
+
+
+def take_rows(value: np.ndarray, axis: int, rows: slice) -> np.ndarray:
+    """The rows ``rows`` of ``value`` along ``axis`` (a view).
+
+    >>> take_rows(np.arange(6).reshape(2, 3), 1, slice(1, 3))
+    array([[1, 2],
+           [4, 5]])
+    """
+    return value[(slice(None),) * axis + (rows,)]
 
 
 @dataclass(frozen=True)
@@ -198,7 +208,7 @@ class ShardPlan:
     rest_inputs: tuple[Variable, ...]
     assumptions: tuple[Variable, ...]
     _graphs: tuple = field(repr=False)
-    #: estimated element operations of one evaluation over all rows (:func:`~dasktensor._weights.work_of`)
+    #: estimated element operations of an evaluation over all rows (``_weights.work_of``)
     work: float = 0.0
 
     def partial_graph(self) -> FunctionGraph:

@@ -56,7 +56,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 from dasktensor import _config
 from dasktensor._cluster import SchedulerRef, scheduler_workers
 from dasktensor._runners import TaskRunner
-from dasktensor._shard import NotSharded, ShardPlan, combine, find_shards
+from dasktensor._shard import NotSharded, ShardPlan, combine, find_shards, take_rows
 from dasktensor._shard_policy import (
     block_rows,
     describe,
@@ -119,7 +119,7 @@ class ShardServer:
             [
                 np.array(v)  # the runner may reuse its output buffers
                 for v in self.runner(
-                    *(r[(slice(None),) * ax + (rows,)] for r, ax in zip(self.rows, axes)), *args
+                    *(take_rows(r, ax, rows) for r, ax in zip(self.rows, axes)), *args
                 )
             ]
             for rows in self.ranges
