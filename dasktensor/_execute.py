@@ -11,7 +11,7 @@ argument, then ``dask.config`` ``scheduler``, then the default distributed ``Cli
   default): the
   graph runs on the caller's threads, and each cluster task is a *resident stage*
   (:mod:`dasktensor._resident`): compiled once on the workers and called through the
-  remote-call channel, ~1 ms a call instead of a task's ~13 ms.
+  remote-call channel, a fraction of a millisecond a call instead of a task's ~13 ms.
 * **A distributed Client, the task path** (``tasks``, every call in Dask's task stream):
   cheap stages whose inputs are on the caller run on the caller;
   cluster tasks (heavy and costly work, and cheap stages between two of them) are submitted

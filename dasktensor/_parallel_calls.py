@@ -17,8 +17,8 @@ create a cycle.
 ``ParallelCallsOp`` knows the callable Ops through their protocol only (named in
 ``dasktensor._callable_ops``): a member whose ``batch_target`` is set is sent together
 with the other members of that target's class, from the calling thread, by the class's
-``RemoteCallTarget.call_together`` (for remote models: one ``asyncio.gather`` on the
-remote-call channel, one wait, no thread per call), and its raw result goes to the
+``RemoteCallTarget.call_together`` (for remote models: every request written to the
+remote-call channel, then every reply read, no thread per call), and its raw result goes to the
 member's ``store_result``; every other member runs its own ``perform`` on the thread pool.
 """
 

@@ -10,10 +10,10 @@ model (``dasktensor.remote``) whose factory is the task's runner, so that
   resources (``build-<task name>`` on the dashboard), on every worker offering them;
 * **each worker compiles it once**: runners travel as a token and a payload and a worker
   keeps one compiled runner per token, shared by every replica and every caller process;
-* **calls skip the scheduler**: one request and one reply through the remote-call channel
-  (~1 ms), spread over the replicas by the channel's policy, and a lost worker's stage is
-  rebuilt elsewhere and the call retried (the channel's failover; the task's ``retries``
-  re-run calls that raised);
+* **calls skip the scheduler**: one request and one reply through the remote-call
+  channel (a fraction of a millisecond), spread over the replicas by the channel's
+  policy, and a lost worker's stage is rebuilt elsewhere and the call retried (the
+  channel's failover; the task's ``retries`` re-run calls that raised);
 * **large values stay on the workers**: inputs of 256 KiB or more (data in shared
   variables, large constants, large arguments) are sent with a token; a replica keeps
   the last value it got for each input, and a later call sends only the token while the

@@ -11,13 +11,12 @@ only the standard library, NumPy, ``dask.config`` and ``distributed``, and never
 
 Modules:
 
-* :mod:`dasktensor_worker.codec`: how arrays travel in the call messages, used by both
-  sides (caller and worker);
-* :mod:`dasktensor_worker.replica`: one model object on one worker and the thread(s) its
-  calls run on;
+* :mod:`dasktensor_worker.wire`: the data plane of the calls (framed messages on plain or
+  TLS sockets, the worker's call server), used by both sides (caller and worker);
+* :mod:`dasktensor_worker.replica`: one model object on one worker and how many calls it
+  runs at once;
 * :mod:`dasktensor_worker.plugin`: :class:`~dasktensor_worker.plugin.ModelHost`, the
-  ``distributed.WorkerPlugin`` that holds a worker's replicas and answers the call
-  handler (``dasktensor_call``);
+  ``distributed.WorkerPlugin`` that holds a worker's replicas and runs their call server;
 * :mod:`dasktensor_worker.tasks`: the functions the caller ships to the cluster (the build
   task, and the ``client.run`` / ``run_on_scheduler`` helpers).
 

@@ -7,14 +7,15 @@ method, start, stop, outcome), keeps totals per model and counts the calls in fl
 scheduler's page (:mod:`dasktensor_worker.dashboard`) asks every worker for what happened
 since its last look through the ``dasktensor_call_log`` handler.
 
-Everything here runs on the worker's event loop (the call handler and the log handler are
-coroutines there), so it needs no lock.  The log keeps the last ``maxlen`` calls; a page
-looking less often than that many calls loses the oldest from its picture (the totals
-stay right).
+Calls are recorded by the call server's threads and read by the log handler on the
+worker's event loop, under one lock (a few microseconds a call).  The log keeps the last
+``maxlen`` calls; a page looking less often than that many calls loses the oldest from
+its picture (the totals stay right).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 
@@ -45,36 +46,37 @@ class CallLog:
         #: model name -> ``[calls, errors, seconds]``
         self.totals: dict[str, list] = {}
         self.inflight: dict[str, int] = {}
+        self.lock = threading.Lock()
 
     def started(self, name: str) -> float:
         """Count a call of model ``name`` in flight; its start time."""
-        self.inflight[name] = self.inflight.get(name, 0) + 1
+        with self.lock:
+            self.inflight[name] = self.inflight.get(name, 0) + 1
         return time.time()
 
     def finished(self, name: str, method: str | None, start: float, status: str) -> None:
         """Record a call that ended with ``status`` (``"OK"`` or ``"error"``)."""
         stop = time.time()
-        self.inflight[name] = max(self.inflight.get(name, 1) - 1, 0)
-        self.records.append((name, method or "__call__", start, stop, status))
-        totals = self.totals.setdefault(name, [0, 0, 0.0])
-        totals[0] += 1
-        totals[1] += status != "OK"
-        totals[2] += stop - start
+        with self.lock:
+            self.inflight[name] = max(self.inflight.get(name, 1) - 1, 0)
+            self.records.append((name, method or "__call__", start, stop, status))
+            totals = self.totals.setdefault(name, [0, 0, 0.0])
+            totals[0] += 1
+            totals[1] += status != "OK"
+            totals[2] += stop - start
 
     def since(self, when: float) -> dict:
         """The calls that ended after ``when``, the totals, and the calls in flight."""
         records = []
-        for record in reversed(self.records):  # newest first: stop at the first old one
-            if record[3] <= when:
-                break
-            records.append(list(record))
+        with self.lock:
+            for record in reversed(self.records):  # newest first: stop at the first old one
+                if record[3] <= when:
+                    break
+                records.append(list(record))
+            totals = {name: list(t) for name, t in self.totals.items()}
+            inflight = {name: n for name, n in self.inflight.items() if n}
         records.reverse()
-        return {
-            "records": records,
-            "totals": {name: list(t) for name, t in self.totals.items()},
-            "inflight": {name: n for name, n in self.inflight.items() if n},
-            "now": time.time(),
-        }
+        return {"records": records, "totals": totals, "inflight": inflight, "now": time.time()}
 
     async def handle(self, since: float = 0.0) -> dict:
         """The ``dasktensor_call_log`` handler."""

@@ -1,10 +1,11 @@
 """``ModelHost``: the worker plugin that holds a worker's model replicas and answers calls.
 
-A remote call skips the scheduler: the caller sends one request (``dasktensor_call``) to
-the worker and waits for one reply, about 1 ms on a local network against ~13 ms for
-``client.submit(...).result()``.  The worker answers through a handler in
-``worker.handlers``, which this plugin installs when it is set up and removes when it is
-torn down:
+A remote call skips the scheduler and Dask's comms: the caller writes one request to the
+worker's call server (:mod:`dasktensor_worker.wire`, a socket this plugin listens on) and
+reads one reply, tens of microseconds on loopback against ~13 ms for
+``client.submit(...).result()``.  Dask stays the control plane: build tasks place the
+replicas, ``client.run`` finds them and the server's address (:func:`endpoint`), the
+scheduler reports lost workers.
 
 * **Installed by the first build.**  The build task of a model
   (:func:`dasktensor_worker.tasks.build_replica`) adds a ``ModelHost`` to its worker with
@@ -13,18 +14,21 @@ torn down:
   ``client.register_plugin(ModelHost())`` installs it on every worker, present and future,
   ahead of any build (it is idempotent by name for the scheduler).  A worker has one
   ``ModelHost``, under ``worker.plugins["dasktensor-models"]``.
+* **Set up**, it starts the call server on the worker's host (TLS on a ``tls://`` worker,
+  with the worker's own credentials) and installs the call log's handler
+  (``dasktensor_call_log``, for the dashboard's calls page).
 * **Torn down** by ``client.unregister_worker_plugin("dasktensor-models")`` (if it was
   registered that way), ``worker.plugin_remove("dasktensor-models")``, or the worker's
-  closing: the handler goes, the replicas are dropped and their threads told to stop.
-  Callers find out on their next call (the reply is not a result) and build the model
-  again.  So does ``client.register_plugin(ModelHost())`` on a worker whose host a
-  build task added (the scheduler did not know it): ``worker.plugin_add`` replaces a
-  plugin of the same name, dropping its replicas.
+  closing: the server stops, its connections close and the replicas are dropped.
+  Callers find out on their next call (the connection fails, or the reply says the
+  replica is missing) and build the model again.  So does
+  ``client.register_plugin(ModelHost())`` on a worker whose host a build task added (the
+  scheduler did not know it): ``worker.plugin_add`` replaces a plugin of the same name.
 * **One build per model and worker.**  Build tasks of one model may run at once in
   several threads of a worker; a lock makes ``factory()`` run once.
-* **The model's own errors** are caught and sent back as ``error_message`` (the pickled
-  exception and traceback), which the caller raises again with the remote traceback; any
-  other failure of a request is therefore a channel failure.
+* **The model's own errors** are caught and sent back (the pickled exception and
+  traceback), which the caller raises again with the remote traceback; any other
+  failure of a request is therefore a channel failure.
 """
 
 from __future__ import annotations
@@ -33,20 +37,19 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 
-from distributed.core import error_message
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import sync
 
 from dasktensor_worker.calllog import LOG_HANDLER, CallLog
-from dasktensor_worker.codec import CALL_HANDLER
 from dasktensor_worker.replica import Replica
+from dasktensor_worker.wire import WireServer, error_reply
 
 #: the name under which ``ModelHost`` sits in ``worker.plugins``
 PLUGIN_NAME = "dasktensor-models"
 
 
 class ModelHost(WorkerPlugin):
-    """The replicas one worker holds, by model key, and the call handler serving them.
+    """The replicas one worker holds, by model key, and the call server serving them.
 
     Examples
     --------
@@ -71,6 +74,7 @@ class ModelHost(WorkerPlugin):
         self.builds: dict[str, int] = {}  # how many times each model was built here
         self.lock = threading.Lock()
         self.closed = False
+        self.server: WireServer | None = None
         #: the calls this worker answered, for the dashboard (``dasktensor_worker.calllog``)
         self.calls = CallLog()
 
@@ -80,25 +84,33 @@ class ModelHost(WorkerPlugin):
     # -- the plugin's life ------------------------------------------------------------
 
     def setup(self, worker) -> None:
-        worker.handlers[CALL_HANDLER] = self.handle_call
         worker.handlers[LOG_HANDLER] = self.calls.handle
+        address = getattr(worker, "address", None) or "inproc://"
+        context = None
+        if address.startswith("tls://"):
+            context = worker.security.get_listen_args("worker")["ssl_context"]
+        self.server = WireServer(_listen_host(address), self.answer, context)
 
     def teardown(self, worker) -> None:
-        for name, handler in ((CALL_HANDLER, self.handle_call), (LOG_HANDLER, self.calls.handle)):
-            if worker.handlers.get(name) == handler:
-                del worker.handlers[name]
+        if worker.handlers.get(LOG_HANDLER) == self.calls.handle:
+            del worker.handlers[LOG_HANDLER]
         self.closed = True
+        if self.server is not None:
+            self.server.close()
         # swapped, not locked: a build holding the lock may run a slow factory, and this
         # runs on the worker's event loop
-        replicas, self.replicas = self.replicas, {}
-        for replica in replicas.values():
-            replica.close()
+        self.replicas = {}
+
+    @property
+    def endpoint(self) -> tuple[str, int, bool] | None:
+        """Where the call server listens: ``(host, port, tls)`` (None before setup)."""
+        if self.server is None or self.closed:
+            return None
+        return (*self.server.address, self.server.tls)
 
     # -- replicas ---------------------------------------------------------------------
 
-    def build(
-        self, key: str, name: str, factory: Callable, concurrency: int, inline_below: float
-    ) -> None:
+    def build(self, key: str, name: str, factory: Callable, concurrency: int) -> None:
         """Build model ``key`` with ``factory()`` unless this worker holds it already."""
         with self.lock:  # one build per key, however many tasks ask at once
             if key in self.replicas:
@@ -110,31 +122,38 @@ class ModelHost(WorkerPlugin):
                     f"{name!r} was being built; expected it to stay installed, call again "
                     "to build the model on a worker that has it"
                 )
-            self.replicas[key] = Replica(model, concurrency, name, inline_below)
+            self.replicas[key] = Replica(model, concurrency, name)
             self.builds[key] = self.builds.get(key, 0) + 1
 
     def release(self, key: str) -> bool:
-        """Drop model ``key`` from this worker; whether it was held."""
-        replica = self.replicas.pop(key, None)
-        if replica is not None:
-            replica.close()
-        return replica is not None
+        """Drop model ``key`` from this worker; whether it was held (a call running goes
+        on to its end)."""
+        return self.replicas.pop(key, None) is not None
 
-    async def handle_call(self, key: str, method: str | None, args: Sequence) -> dict:
-        """The ``dasktensor_call`` handler: ``{"status": "OK", "result": ...}``,
-        ``{"status": "missing"}`` (no such replica here) or an error message."""
+    def answer(self, key: str, method: str | None, args: Sequence) -> tuple:
+        """Run one call (on the server's thread): ``("OK", result)``, ``("missing", None)``
+        (no such replica here) or ``("error", message)``."""
         replica = self.replicas.get(key)
         if replica is None:
-            return {"status": "missing"}
+            return ("missing", None)
         start, status = self.calls.started(replica.name), "error"
         try:
-            result = await replica.run(method, args)
+            result = replica.invoke(method, args)
             status = "OK"
         except Exception as e:  # the model's own error: sent to the caller, not raised here
-            return error_message(e)
+            return error_reply(e)
         finally:
             self.calls.finished(replica.name, method, start, status)
-        return {"status": "OK", "result": result}
+        return ("OK", result)
+
+
+def _listen_host(address: str) -> str:
+    """The host a worker at ``address`` listens on (loopback for in-process workers)."""
+    if address.startswith("inproc://"):
+        return "127.0.0.1"
+    from distributed.comm import get_address_host
+
+    return get_address_host(address)
 
 
 def host_of(worker) -> ModelHost | None:
@@ -156,9 +175,7 @@ def ensure_host(worker) -> ModelHost:
         host = host_of(worker)
         if host is None:
             host = ModelHost()
-            sync(
-                worker.loop, worker.plugin_add, plugin=host, name=PLUGIN_NAME, catch_errors=False
-            )
+            sync(worker.loop, worker.plugin_add, plugin=host, name=PLUGIN_NAME, catch_errors=False)
         return host
 
 

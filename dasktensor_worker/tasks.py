@@ -8,8 +8,9 @@ neither dasktensor nor PyTensor, so that building and finding a model costs a ba
 * :func:`build_replica`: the body of a model's build task (``build-<name>`` on the
   dashboard); it adds the :class:`~dasktensor_worker.plugin.ModelHost` plugin to its
   worker if needed.
-* :func:`holds`, :func:`build_count`, :func:`release`: run on the workers with
-  ``client.run`` (discovery, ``RemoteModel.build_counts``, ``RemoteModel.close``).
+* :func:`endpoint`, :func:`holds`, :func:`build_count`, :func:`release`: run on the
+  workers with ``client.run`` (discovery and the call servers' addresses,
+  ``RemoteModel.build_counts``, ``RemoteModel.close``).
 * :func:`next_number`: run on the scheduler with ``client.run_on_scheduler``; the numbers
   that spread calls over replicas (see ``dasktensor.remote._policy``).
 
@@ -22,20 +23,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def build_replica(
-    key: str, name: str, factory: Callable, concurrency: int, inline_below: float
-) -> str:
-    """Task body: build model ``key`` on this worker (once); the worker's address.
-
-    ``inline_below`` is the caller's ``dasktensor.remote.inline-below`` in seconds (see
-    :mod:`dasktensor_worker.replica`).
-    """
+def build_replica(key: str, name: str, factory: Callable, concurrency: int) -> str:
+    """Task body: build model ``key`` on this worker (once); the worker's address."""
     from distributed import get_worker
 
     from dasktensor_worker.plugin import ensure_host
 
     worker = get_worker()
-    ensure_host(worker).build(key, name, factory, concurrency, inline_below)
+    ensure_host(worker).build(key, name, factory, concurrency)
     return worker.address
 
 
@@ -49,6 +44,13 @@ def holds(key: str, dask_worker=None) -> bool:
     """``client.run``: whether this worker holds model ``key``."""
     host = _host(dask_worker)
     return host is not None and key in host.replicas
+
+
+def endpoint(key: str, dask_worker=None) -> tuple | None:
+    """``client.run``: where this worker's call server listens, ``(host, port, tls)``, if
+    it holds model ``key``; else None."""
+    host = _host(dask_worker)
+    return host.endpoint if host is not None and key in host.replicas else None
 
 
 def build_count(key: str, dask_worker=None) -> int:

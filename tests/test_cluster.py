@@ -74,6 +74,49 @@ def test_remote_models_on_a_tls_cluster(tls_cluster):
         model.close()
 
 
+def test_the_call_servers_of_a_tls_cluster_speak_tls_only(tls_cluster):
+    """Calls go over TLS with the cluster's certificates; a plain connection to a worker's
+    call server gets no answer, and a caller without (or with other) certificates is
+    refused with an error that says so, not retried as a lost worker."""
+    import socket
+
+    from _models import Probe
+    from distributed.security import Security
+
+    from dasktensor.remote import RemoteModelError
+    from dasktensor.remote._channel import get_channel
+    from dasktensor.remote._replicas import replica_set
+    from dasktensor_worker import tasks, wire
+
+    cluster, security = tls_cluster
+    with dt.connect(cluster.scheduler_address, security=security, set_as_default=False) as c:
+        model = dt.RemoteModel(Probe, name="probe", scheduler=c)
+        assert model.call("scale", np.ones(2), 3.0).tolist() == [3.0, 3.0]
+        ((host, port, tls),) = [e for e in c.run(tasks.endpoint, model.key).values()]
+        assert tls is True and host == "127.0.0.1"
+        with socket.create_connection((host, port), timeout=10) as plain:
+            wire.send(plain, (model.key, "scale", (np.ones(2), 3.0)))
+            try:
+                answer = plain.recv(1024)
+            except ConnectionResetError:
+                answer = b""
+        assert answer == b"" or answer[:1] == b"\x15"  # closed, or a TLS alert record
+        replicas = replica_set(model._spec)
+        (worker,) = replicas.addresses
+        for other, message in [
+            (None, "serves calls over TLS only"),
+            (Security.temporary(), "TLS handshake"),
+        ]:
+            replicas.security = other
+            get_channel().forget(worker)  # no idle connection: the next call opens one
+            with pytest.raises(RemoteModelError, match=message):
+                model.call("scale", np.ones(2), 3.0)
+        replicas.security = security
+        assert model.call("scale", np.ones(2), 2.0).tolist() == [2.0, 2.0]
+        assert sorted(model.workers()) == sorted(c.run(lambda: 0))  # no replica was dropped
+        model.close()
+
+
 @pytest.mark.timeout(60)  # a hang instead of the error fails here
 def test_unreachable_scheduler_fails_within_the_timeout_with_advice():
     with pytest.raises(ConnectionError, match="dask scheduler") as info:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
@@ -207,6 +208,25 @@ def test_a_call_that_does_not_return_in_time_fails_and_the_next_one_works(four):
     with pytest.raises(TimeoutError, match=r"did not return within 0.5 s"):
         model.call("where", 3.0)
     assert model.call("where", 0.0)[0] in four.run(os.getpid).values()
+    model.close()
+
+
+def test_a_late_reply_is_never_read_as_the_answer_to_another_call(four):
+    """A timed-out call's connection is not reused: its reply is read and dropped in a
+    thread, and its worker counts as busy until then."""
+    from dasktensor.remote._replicas import _inflight
+
+    model = dt.RemoteModel(Probe, name="probe", timeout=0.5, replicas=1, concurrency=2)
+    (address,) = model.start()
+    with pytest.raises(TimeoutError, match=r"did not return within 0.5 s"):
+        model.call("where", 2.0)
+    assert _inflight[address] == 1  # the late call still runs there
+    for k in (2.0, 3.0, 4.0):  # answered while it runs (concurrency=2), each its own answer
+        assert model.call("scale", np.ones(1), k).tolist() == [k]
+    deadline = time.monotonic() + 10
+    while _inflight[address] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _inflight[address] == 0
     model.close()
 
 

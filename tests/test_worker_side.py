@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pkgutil
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ from conftest import _cluster
 
 import dasktensor as dt
 import dasktensor_worker
-from dasktensor_worker import codec
+from dasktensor_worker import wire
 from dasktensor_worker.plugin import PLUGIN_NAME, ModelHost, host_of
 
 WORKER_MODULES = ["dasktensor_worker"] + [
@@ -37,7 +38,7 @@ def run_fresh(code: str) -> str:
 
 
 def test_the_worker_package_imports_neither_dasktensor_nor_pytensor():
-    assert len(WORKER_MODULES) >= 5  # the package, codec, replica, plugin, tasks
+    assert len(WORKER_MODULES) >= 5  # the package, wire, replica, plugin, tasks
     code = (
         "import sys\n"
         + "".join(f"import {m}\n" for m in WORKER_MODULES)
@@ -49,13 +50,13 @@ def test_the_worker_package_imports_neither_dasktensor_nor_pytensor():
 def test_what_the_caller_imports_of_it_does_not_import_distributed():
     """``import dasktensor`` stays free of distributed's import (dasktensor.remote uses these)."""
     code = (
-        "import sys, dasktensor_worker, dasktensor_worker.codec, dasktensor_worker.tasks\n"
+        "import sys, dasktensor_worker, dasktensor_worker.wire, dasktensor_worker.tasks\n"
         "print('distributed' in sys.modules)"
     )
     assert run_fresh(code) == "False"
 
 
-# ----------------------------------------------------------------------------- codec
+# ----------------------------------------------------------------------------- wire
 
 
 @pytest.mark.parametrize(
@@ -68,24 +69,77 @@ def test_what_the_caller_imports_of_it_does_not_import_distributed():
         np.array(3.5),  # 0-d array stays an array
         np.float32(2.5),  # a NumPy scalar stays a scalar
         np.zeros((0, 3), dtype=np.uint16),
+        np.arange(100_000.0).reshape(1000, 100).T,  # large (out of band) and strided
+        np.asfortranarray(np.ones((300, 300))),  # large, Fortran order
     ],
-    ids=["strided", "fortran", "complex64", "bool", "0-d", "scalar", "empty"],
+    ids=[
+        "strided",
+        "fortran",
+        "complex64",
+        "bool",
+        "0-d",
+        "scalar",
+        "empty",
+        "large-T",
+        "large-F",
+    ],
 )
-def test_numeric_arrays_round_trip_as_writeable_copies(value):
-    packed = codec.pack(value)
-    assert set(packed) == {codec.ND}  # plain data msgpack carries as it is
-    back = codec.unpack(packed)
+def test_numeric_arrays_cross_the_wire_as_writeable_equal_arrays(value):
+    back = wire_round_trip(value)
     assert type(back) is type(value) and back.dtype == value.dtype
     np.testing.assert_array_equal(back, value)
     if isinstance(back, np.ndarray):
-        assert back.flags.writeable and back.flags.c_contiguous
+        assert back.flags.writeable
 
 
-def test_other_values_pass_as_they_are_and_sequences_come_back_as_tuples():
-    objects = np.array([{"a": 1}], dtype=object)
-    packed = codec.pack([1.5, "text", objects, (np.int64(3), None)])
-    assert packed[:3] == [1.5, "text", objects]
-    assert codec.unpack(packed)[3] == (3, None)
+def test_large_arrays_travel_out_of_band_and_small_ones_inside_the_message():
+    big, other, small = np.ones(10_000), np.zeros(1000), np.ones(10)
+    frames = wire.dumps(("key", "method", (big, small, [other, big])))
+    assert [f.nbytes for f in frames[1:]] == [big.nbytes, other.nbytes]  # once each, as views
+    assert len(frames[0]) < 600  # the small array is in the pickle, the big ones are not
+
+
+def test_other_values_and_sequences_cross_as_they_are():
+    value = [1.5, "text", np.array([{"a": 1}], dtype=object), (np.int64(3), None)]
+    back = wire_round_trip(value)
+    assert back[:2] == [1.5, "text"] and back[2][0] == {"a": 1} and back[3] == (3, None)
+
+
+def wire_round_trip(value):
+    """``value`` sent to a call server that returns its argument, and back."""
+    server = wire.WireServer("127.0.0.1", lambda key, method, args: ("OK", args[0]))
+    try:
+        with socket.create_connection(server.address) as sock:
+            wire.send(sock, ("key", None, (value,)))
+            status, back = wire.recv(sock.makefile("rb"))
+        assert status == "OK"
+        return back
+    finally:
+        server.close()
+
+
+def test_the_server_answers_a_broken_request_with_an_error_and_keeps_the_connection():
+    class Unpicklable:
+        def __reduce__(self):
+            return (_refuse, ())
+
+    replies = []
+    server = wire.WireServer("127.0.0.1", lambda key, method, args: ("OK", args))
+    try:
+        with socket.create_connection(server.address) as sock:
+            reader = sock.makefile("rb")
+            wire.send(sock, ("key", None, (Unpicklable(),)))  # fails to unpickle there
+            replies.append(wire.recv(reader))
+            wire.send(sock, ("key", None, (1, 2)))
+            replies.append(wire.recv(reader))
+    finally:
+        server.close()
+    assert replies[0][0] == "error" and "refused on the worker" in replies[0][1]["exception_text"]
+    assert replies[1] == ("OK", (1, 2))
+
+
+def _refuse():
+    raise ValueError("refused on the worker")
 
 
 # ----------------------------------------------------------------------------- the plugin
@@ -95,31 +149,37 @@ class FakeWorker:
     """What ``ModelHost`` touches of a worker."""
 
     def __init__(self):
+        self.address = "tcp://127.0.0.1:0"
         self.handlers = {"other": print}
         self.plugins = {}
 
 
-def test_teardown_removes_the_handler_and_releases_the_replicas():
+def test_teardown_stops_the_call_server_and_releases_the_replicas():
     worker, host = FakeWorker(), ModelHost()
     host.setup(worker)
-    assert worker.handlers[codec.CALL_HANDLER] == host.handle_call
-    host.build("m-1", "m", dict, 1, 0.001)
-    host.build("m-1", "m", dict, 1, 0.001)  # built once
-    replica = host.replicas["m-1"]
+    assert worker.handlers["dasktensor_call_log"] == host.calls.handle
+    host.build("m-1", "m", dict, 1)
+    host.build("m-1", "m", dict, 1)  # built once
     assert host.builds == {"m-1": 1}
+    address, port, tls = host.endpoint
+    sock = socket.create_connection((address, port))
+    wire.send(sock, ("m-1", "__len__", ()))
+    assert wire.recv(sock.makefile("rb")) == ("OK", 0)
     host.teardown(worker)
     assert worker.handlers == {"other": print}
-    assert host.replicas == {}
-    assert replica.executor._shutdown  # its threads were told to stop
+    assert host.replicas == {} and host.endpoint is None and not tls
+    assert sock.recv(1) == b""  # the server closed the connection
+    with pytest.raises(ConnectionRefusedError):  # and stopped listening
+        socket.create_connection((address, port), timeout=5)
     with pytest.raises(RuntimeError, match="plugin was removed from this worker"):
-        host.build("m-2", "m", dict, 1, 0.001)
+        host.build("m-2", "m", dict, 1)
 
 
 def test_a_host_pickles_as_a_new_empty_host():
     import pickle
 
     host = ModelHost()
-    host.build("m-1", "m", dict, 1, 0.001)
+    host.build("m-1", "m", dict, 1)
     copy = pickle.loads(pickle.dumps(host))
     assert isinstance(copy, ModelHost) and copy.replicas == {} and not copy.closed
     host.teardown(FakeWorker())
@@ -163,7 +223,7 @@ def worker_state(client) -> dict:
     def state(dask_worker=None):
         return {
             "modules": sorted(m for m in ("pytensor", "pymc", "dasktensor") if m in sys.modules),
-            "handler": "dasktensor_call" in dask_worker.handlers,
+            "handler": "dasktensor_call_log" in dask_worker.handlers,
             "plugin": "dasktensor-models" in dask_worker.plugins,
         }
 

@@ -1,9 +1,10 @@
-"""Remote models: an object built once per worker and called over Dask's comm layer.
+"""Remote models: an object built once per worker and called straight on its workers.
 
 ``RemoteModel(factory)`` keeps a model (a simulator, a solver, a network on a GPU) alive on
-the workers of a Dask cluster and turns its methods into Ops.  Dask places the model, and
-the calls then go straight to the workers that hold it, about a millisecond each instead
-of the ~13 ms of a task's round trip through the scheduler.
+the workers of a Dask cluster and turns its methods into Ops.  Dask places the model (the
+control plane), and the calls then go straight to the workers that hold it on sockets of
+their own (the data plane, ``dasktensor_worker.wire``): about a tenth of a millisecond on
+loopback, instead of the ~13 ms of a task's round trip through the scheduler.
 
 The caller's side, by concern (each module's docstring argues its part):
 
@@ -14,15 +15,15 @@ The caller's side, by concern (each module's docstring argues its part):
   that honour the model's ``resources``, refreshed in the background, dropped on failure;
 * :mod:`~dasktensor.remote._policy`: the pure choice of a replica for each call (spreads
   load over replicas without coordination between callers);
-* :mod:`~dasktensor.remote._channel`: this process's event-loop thread and connection
-  pools (reset after ``fork``);
+* :mod:`~dasktensor.remote._channel`: this process's connections to the workers' call
+  servers (pooled per worker, TLS with the client's credentials, reset after ``fork``);
 * :mod:`~dasktensor.remote._calls`: one call's request, reply, retries and failover, and
   :func:`~dasktensor.remote._calls.call_many` for calls sent together;
 * :mod:`~dasktensor.remote._target`: :class:`RemoteMethod`, a model's method as the
   function of a callable Op (a ``dasktensor._callable_ops.RemoteCallTarget``).
 
-The worker's side (the plugin holding replicas, the call handler, the build task, the
-message codec) is the top-level package ``dasktensor_worker``, which imports neither
+The worker's side (the plugin holding replicas, the call server and its messages, the
+build task) is the top-level package ``dasktensor_worker``, which imports neither
 dasktensor nor PyTensor: a bare ``dask worker`` serves models without that import.
 
 Nothing here holds a live Client, Future or loop across pickling: a ``RemoteModel``

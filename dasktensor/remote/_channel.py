@@ -1,21 +1,25 @@
-"""The remote-call channel: this process's route to the workers that hold models.
+"""The remote-call channel: this process's connections to the workers' call servers.
 
-``client.submit(f, x).result()`` costs about 13 ms on loopback (the client batches its
-messages every few ms), against 1.1-1.5 ms for one request to a handler in
-``worker.handlers`` over a pooled connection (``benchmarks/channel_latency.py``).  A
-sampler makes 10^5-10^6 calls, so remote calls take the second way:
+Dask places the replicas and says where each worker's call server listens (``client.run``
+of ``dasktensor_worker.tasks.endpoint``); the calls go through this module, not through
+Dask (see :mod:`dasktensor_worker.wire` for the messages and the worker's side):
 
-* **One channel per process**, created on first use: an event loop in a daemon thread
-  and a ``distributed.core.ConnectionPool`` per set of client credentials (plain TCP
-  clusters share one; a TLS cluster's pool carries its client's ``Security`` connection
-  arguments; connect timeout ``dasktensor.remote.connect-timeout``).
-* **Any thread may call.**  A call is ``run_coroutine_threadsafe`` onto the channel's
-  loop and one request/reply on a pooled connection; it works from any thread, inside a
-  running event loop (its loop is not used) and after ``asyncio.run()``.
-* **Fork.**  A forked child (``pm.sample(cores=2)`` on Linux) starts without a channel.
-  It keeps the parent's channel object alive without touching it: its connections belong
-  to the parent, and closing them here would warn or, worse, talk on the parent's
-  sockets.
+* **The calling thread does the I/O.**  A call takes an idle connection to the worker (or
+  opens one: TCP, no Nagle delay; connect timeout ``dasktensor.remote.connect-timeout``),
+  writes its request and reads the reply on that socket, in the thread that called: no
+  event loop, no thread hand-off.  So it works from any thread, inside a running event
+  loop (which it does not use) and after ``asyncio.run()``.
+* **One connection per call in flight.**  Connections are pooled per worker endpoint
+  ``(host, port, tls)``; a call in flight owns its connection, so calls from several
+  threads, or several calls sent at once by one thread (:meth:`Channel.send` for each,
+  then :meth:`Connection.reply` for each), run at once on their workers.
+* **TLS.**  A worker listening with TLS is reached with the client's
+  ``Security.get_connection_args("client")`` context (the cluster's CA and the client's
+  certificate, as Dask's own TLS comms); without credentials the call is refused with
+  :class:`WireRefused`, as is a failed handshake.
+* **Fork.**  A forked child (``pm.sample(cores=2)`` on Linux) starts with no
+  connections.  It keeps the parent's channel object alive without touching it: its
+  sockets belong to the parent.
 
 Which worker a call goes to, and what a reply means, is decided by the callers of this
 module (``dasktensor.remote._replicas``, ``dasktensor.remote._calls``).
@@ -23,67 +27,135 @@ module (``dasktensor.remote._replicas``, ``dasktensor.remote._calls``).
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import os
+import socket
+import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable
 
 from dasktensor import _config
-from dasktensor_worker.codec import CALL_HANDLER
+from dasktensor_worker import wire
+
+
+class WireRefused(ConnectionError):
+    """A worker's call server cannot be reached securely (TLS without credentials, or a
+    failed handshake): not a lost worker, so not retried elsewhere."""
+
+
+class Connection:
+    """One socket to a worker's call server."""
+
+    def __init__(self, address: str, endpoint: tuple, context):
+        host, port, tls = endpoint
+        self.address, self.endpoint = address, endpoint
+        sock = socket.create_connection(
+            (host, port), timeout=_config.seconds("remote.connect-timeout")
+        )
+        wire.nodelay(sock)
+        if tls:
+            try:
+                sock = context.wrap_socket(sock)
+            except (ssl.SSLError, ssl.CertificateError) as e:
+                sock.close()
+                raise WireRefused(
+                    f"the TLS handshake with the call server of worker {address} failed "
+                    f"({type(e).__name__}: {e}); expected the cluster's credentials "
+                    "(the client's distributed.Security)"
+                ) from e
+        sock.settimeout(None)
+        self.sock = sock
+        self.reader = sock.makefile("rb")
+
+    def send(self, message) -> None:
+        wire.send(self.sock, message)
+
+    def reply(self, timeout: float | None = None):
+        """The reply to the request sent; ``TimeoutError`` after ``timeout`` seconds."""
+        self.sock.settimeout(timeout)
+        return wire.recv(self.reader)
+
+    def close(self) -> None:
+        try:
+            self.reader.close()
+            self.sock.close()
+        except OSError:  # pragma: no cover - already broken
+            pass
 
 
 class Channel:
-    """An event loop in a thread of its own, with connection pools to the workers."""
+    """This process's idle connections, by worker endpoint, and TLS contexts by cluster."""
 
     def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_forever, name="dasktensor-channel", daemon=True
-        )
-        self.thread.start()
-        self.pools: dict = {}
+        self.idle: dict[tuple, list[Connection]] = {}
+        self.contexts: dict = {}
         self.lock = threading.Lock()
 
-    def pool(self, security) -> object:
-        """The pool for a cluster with this ``distributed.Security`` (None: plain TCP)."""
-        key = security_key(security)
+    def send(self, address: str, endpoint: tuple, security, message) -> Connection:
+        """Write ``message`` to the worker at ``address``; the connection to read the reply
+        from (give it back with :meth:`give_back`, or close it)."""
         with self.lock:
-            pool = self.pools.get(key)
-            if pool is None:
-                args = security.get_connection_args("client") if security is not None else {}
-                pool = self.pools[key] = self.run(self._make_pool(args)).result()
-            return pool
+            idle = self.idle.get(endpoint)
+            conn = idle.pop() if idle else None
+        if conn is not None:
+            try:
+                conn.send(message)
+                return conn
+            except OSError:  # the worker closed it (restarted, or gone): try a fresh one
+                conn.close()
+        conn = Connection(address, endpoint, self._context(endpoint, address, security))
+        try:
+            conn.send(message)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
-    @staticmethod
-    async def _make_pool(connection_args: dict):
-        from distributed.core import ConnectionPool
-
-        return await ConnectionPool(
-            limit=512,
-            timeout=_config.seconds("remote.connect-timeout"),
-            connection_args=connection_args,
-        )
-
-    def run(self, coro) -> concurrent.futures.Future:
-        """Run a coroutine on the channel's loop; its future, to wait on in this thread."""
-        if threading.current_thread() is self.thread:  # pragma: no cover - a misuse guard
-            raise RuntimeError(
-                "a remote model was called from dasktensor's own channel thread; expected "
-                "a call from any other thread (a model must not call remote models itself "
-                "from inside a channel callback)"
-            )
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    @staticmethod
-    async def call(pool, address: str, key: str, method: str | None, args: Sequence):
-        """One request to the call handler of the worker at ``address``; its reply."""
-        return await getattr(pool(address), CALL_HANDLER)(key=key, method=method, args=args)
+    def give_back(self, conn: Connection) -> None:
+        """Keep a connection whose reply was read, for the next call."""
+        with self.lock:
+            self.idle.setdefault(conn.endpoint, []).append(conn)
 
     def forget(self, address: str) -> None:
-        """Drop pooled connections to a worker that failed."""
-        for pool in list(self.pools.values()):
-            self.loop.call_soon_threadsafe(pool.remove, address)
+        """Close the idle connections to a worker that failed."""
+        with self.lock:
+            gone = [e for e, conns in self.idle.items() if conns and conns[0].address == address]
+            closing = [c for e in gone for c in self.idle.pop(e)]
+        for conn in closing:
+            conn.close()
+
+    def _context(self, endpoint: tuple, address: str, security):
+        if not endpoint[2]:
+            return None
+        key = security_key(security)
+        with self.lock:
+            context = self.contexts.get(key)
+            if context is None and key is not None:
+                args = security.get_connection_args("client")
+                context = self.contexts[key] = args.get("ssl_context")
+        if context is None:
+            raise WireRefused(
+                f"the worker {address} serves calls over TLS only; expected a client with "
+                "the cluster's TLS credentials (distributed.Security with a CA and a "
+                f"client certificate), got {security!r}"
+            )
+        return context
+
+
+def drain(conn: Connection, then: Callable[[], None]) -> None:
+    """Read (and drop) the reply of a call that timed out, in a thread; then ``then()``.
+
+    The call goes on on the worker: its worker counts as busy until the reply comes."""
+
+    def wait():
+        try:
+            conn.reply(None)
+        except Exception:
+            pass
+        finally:
+            conn.close()
+            then()
+
+    threading.Thread(target=wait, name="dasktensor-drain", daemon=True).start()
 
 
 def security_key(security):

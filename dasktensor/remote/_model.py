@@ -41,7 +41,7 @@ class RemoteModel:
 
     The factory runs on the workers, once per worker that serves the model: load data,
     weights or a GPU context there.  Calls go straight to a worker holding a replica
-    (about a millisecond on a local network), spread over the replicas; Dask chooses
+    (a fraction of a millisecond on a local network), spread over the replicas; Dask chooses
     the workers (honouring ``resources``) and shows each build as a ``build-<name>``
     task; a replica lost with its worker is rebuilt where Dask has workers.  The workers
     need not import dasktensor (nor PyTensor) for it: only ``dasktensor_worker``.
@@ -58,8 +58,8 @@ class RemoteModel:
         How many workers hold the model.  By default every worker offering
         ``resources`` does, including workers that join later.
     concurrency : int
-        Calls one replica runs at once (each replica has this many threads); 1 by
-        default, so the model needs not be thread-safe.
+        Calls one replica runs at once (on the threads of its worker's call server);
+        1 by default, so the model needs not be thread-safe.
     retries : int
         Times a call that raised is run again before its error reaches the caller.
     timeout : float, optional

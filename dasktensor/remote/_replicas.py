@@ -7,8 +7,9 @@
   (in their order, those alive), then starting at a worker that depends on the model's
   key, so that models spread over the workers.  ``factory()`` runs once per worker
   (the worker's ``ModelHost`` builds each key once).
-* **Discovery asks the workers** (``client.run(holds, key)``), so another process (a
-  sampler child, an unpickled copy) finds the replicas this one built.
+* **Discovery asks the workers** (``client.run(endpoint, key)``): which hold a replica,
+  and where their call servers listen; so another process (a sampler child, an
+  unpickled copy) finds the replicas this one built.
 * **Dropping.**  A replica whose worker failed, or that answered that it no longer holds
   the model, is dropped from the list (and its pooled connections closed); with none
   left, the next call finds or builds replicas again where Dask has workers.
@@ -56,9 +57,11 @@ class ReplicaSet:
         self.spec = spec
         self.lock = threading.Lock()
         self.addresses: list[str] = []  # sorted: the same order in every process
+        self.endpoints: dict[str, tuple] = {}  # address -> its call server (host, port, tls)
         self.number = 0  # the model's number on the cluster (see _number)
-        self.pool = None  # the channel's connection pool for this cluster
+        self.security = None  # the client's distributed.Security (TLS clusters)
         self.checked = 0.0  # time.monotonic() of the last look at the cluster
+        self.interval = 0.0  # dasktensor.remote.refresh-interval, read at each look
         self.refreshing = False
 
     def pick(self) -> str:
@@ -66,7 +69,7 @@ class ReplicaSet:
         with self.lock:
             if not self.addresses:
                 self._ensure()
-            elif time.monotonic() - self.checked > _config.seconds("remote.refresh-interval"):
+            elif time.monotonic() - self.checked > self.interval:
                 self._refresh_in_background()
             addresses = self.addresses
             home = home_replica(self.number, _process_number, len(addresses))
@@ -74,6 +77,13 @@ class ReplicaSet:
             address = addresses[choose_replica(addresses, home, _inflight)]
             _inflight[address] = _inflight.get(address, 0) + 1
         return address
+
+    def endpoint(self, address: str) -> tuple:
+        """Where the call server of the worker at ``address`` listens."""
+        found = self.endpoints.get(address)
+        if found is None:  # dropped and refreshed away meanwhile: a lost replica
+            raise ConnectionError(f"{address} holds no replica of {self.spec!r} any more")
+        return found
 
     def start(self) -> list[str]:
         """Find or build the replicas now; their workers."""
@@ -92,9 +102,10 @@ class ReplicaSet:
         global _process_number
         client = self.spec.client()
         show_calls_page(client)
-        self.addresses = self._find_or_build(client)
+        self._use(self._find_or_build(client))
         self.checked = time.monotonic()
-        self.pool = get_channel().pool(getattr(client, "security", None))
+        self.interval = _config.seconds("remote.refresh-interval")
+        self.security = getattr(client, "security", None)
         if _process_number is None:
             _process_number = _number(client, "process", None)
         self.number = _number(client, "model", self.spec.key)
@@ -109,7 +120,7 @@ class ReplicaSet:
             try:
                 found = self._find_or_build(self.spec.client())
                 with self.lock:
-                    self.addresses = found
+                    self._use(found)
             except Exception:  # the next call's own failure reports the problem
                 pass
             finally:
@@ -117,7 +128,12 @@ class ReplicaSet:
 
         threading.Thread(target=refresh, name="dasktensor-refresh", daemon=True).start()
 
-    def _find_or_build(self, client) -> list[str]:
+    def _use(self, found: dict[str, tuple]) -> None:
+        self.endpoints = {**self.endpoints, **found}
+        self.addresses = sorted(found)
+
+    def _find_or_build(self, client) -> dict[str, tuple]:
+        """The replicas' workers and their call servers, ``{address: endpoint}``."""
         spec = self.spec
         if spec.resources:
             check_resources(client, [Placement(resources=spec.resources)])
@@ -136,13 +152,12 @@ class ReplicaSet:
                 f"{spec!r}: expected workers to build the model on, the cluster at "
                 f"{client.scheduler.address} has none; start some (`dask worker ADDRESS`)"
             )
-        held = client.run(tasks.holds, spec.key, workers=eligible, on_error="return")
-        holders = [a for a in eligible if held.get(a) is True]
+        held = _endpoints(client, spec.key, eligible)
+        holders = list(held)
         wanted = len(eligible) if spec.replicas is None else min(spec.replicas, len(eligible))
         if len(holders) < wanted:
             free = [a for a in eligible if a not in holders]
             targets = _in_order(spec, free, workers)[: wanted - len(holders)]
-            inline_below = _config.seconds("remote.inline-below")
             with _data_carried(spec.factory):
                 futures = [
                     submit(
@@ -152,7 +167,6 @@ class ReplicaSet:
                         spec.name,
                         spec.factory,
                         spec.concurrency,
-                        inline_below,
                         key=f"build-{spec.name}-{uuid.uuid4().hex}",
                         placement=Placement(
                             resources=spec.resources or None,
@@ -162,10 +176,17 @@ class ReplicaSet:
                     )
                     for a in targets
                 ]
-            for address in client.gather(futures):  # a factory's error is raised here
-                if address not in holders:
-                    holders.append(address)
-        return sorted(holders)
+            built = client.gather(futures)  # a factory's error is raised here
+            held.update(_endpoints(client, spec.key, [a for a in built if a not in held]))
+        return held
+
+
+def _endpoints(client, key: str, among: list[str]) -> dict[str, tuple]:
+    """``{address: endpoint}`` of the workers among ``among`` that hold model ``key``."""
+    if not among:
+        return {}
+    found = client.run(tasks.endpoint, key, workers=among, on_error="return")
+    return {a: tuple(e) for a, e in found.items() if isinstance(e, tuple | list)}
 
 
 @contextlib.contextmanager

@@ -1,0 +1,290 @@
+"""The data plane of remote calls: framed messages on plain or TLS sockets.
+
+Dask places and builds the replicas, reports lost workers and tells callers where a
+worker's replicas listen (the control plane); the calls themselves do not go through
+Dask.  Through a Dask comm, a call crossed four threads and event loops (the caller's
+thread, the channel's loop, the worker's event loop, the replica's thread, and back):
+about 1.2 ms against 0.06 ms for a raw socket's round trip on loopback.  Here a call is
+written by the calling thread straight into a socket and read on the worker by the
+thread that owns the connection, which runs the model itself and writes the reply:
+no thread hop on either side.
+
+* **Frames.**  A message is a pickle (protocol 5) whose large buffers (NumPy arrays of
+  :data:`IN_BAND` bytes or more) travel out of band as raw frames: ``<u4 n>`` then ``n`` lengths
+  ``<u8>``, then the frames, sent with one ``sendmsg`` (no copy of the arrays on the way
+  out) and received each into a ``bytearray`` of its own (arrays come back writeable,
+  without a copy).  A caller and a worker trust each other as Dask's own comms do (Dask
+  pickles too); on a TLS cluster both ends authenticate with the cluster's certificates.
+* **Requests** are ``(key, method, args)``; **replies** ``("OK", result)``,
+  ``("missing", None)`` (no such replica here) or ``("error", {...})`` with the model's
+  exception and traceback pickled as ``distributed.core.error_message`` makes them (the
+  caller raises it again with ``distributed.core.clean_exception``).
+* **The server** (:class:`WireServer`, started by the worker's ``ModelHost``) listens on
+  the worker's own host, on a port of the system's choosing; each connection gets a
+  thread that answers its requests in order.  A caller opens one connection per call in
+  flight, so calls of one evaluation run at once on their workers.
+* **TLS.**  A worker whose address is ``tls://`` serves TLS only, with the context Dask
+  gives the worker (``Security.get_listen_args("worker")``: the cluster's CA, the
+  worker's certificate, client certificates required).
+
+This module imports the standard library and NumPy; ``distributed`` is imported on use.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+#: arrays (buffers) smaller than this many bytes travel inside the pickle
+IN_BAND = 4096
+#: the tag of a packed array (see :func:`dumps`)
+ND = "__dasktensor_nd__"
+#: a message's frame count, and each frame's length
+_COUNT = struct.Struct("<I")
+_LENGTH = struct.Struct("<Q")
+#: at most this many frames in one message (a guard against reading garbage)
+_MAX_FRAMES = 1 << 16
+
+
+def dumps(obj) -> list:
+    """``obj`` as frames: the pickle, then the raw buffers it refers to.
+
+    Numeric arrays and NumPy scalars in ``obj``, or in the tuples and lists it holds, are
+    swapped for ``(ND, dtype, shape, data, is_scalar)`` before pickling (``data`` the
+    bytes, or the number of a frame for arrays of :data:`IN_BAND` bytes or more): a
+    tuple of plain values pickles in about 0.5 us, where NumPy's own pickling of one small
+    array takes 7-9 us (measured here).  Arrays deeper inside other objects go by NumPy's
+    pickling, out of band as well.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> frames = dumps(("k", None, (np.zeros(1000), 2.5)))
+    >>> len(frames), frames[1].nbytes
+    (2, 8000)
+    >>> key, method, (x, s) = loads([bytearray(f) for f in frames])
+    >>> x.shape, x.flags.writeable, s
+    ((1000,), True, 2.5)
+    """
+    frames: list = [memoryview(b"")]
+
+    def out_of_band(buffer) -> bool:
+        raw = buffer.raw()
+        if raw.nbytes < IN_BAND:
+            return True  # in band
+        frames.append(raw)
+        return False
+
+    frames[0] = pickle.dumps(_pack(obj, frames), protocol=5, buffer_callback=out_of_band)
+    return frames
+
+
+def _pack(value, frames: list):
+    t = type(value)
+    if t is tuple or t is list:
+        return t([_pack(v, frames) for v in value])
+    if t is np.ndarray or isinstance(value, np.generic):
+        if value.dtype.kind not in "biufc":
+            return value
+        arr = (
+            value if t is np.ndarray and value.flags.c_contiguous else np.ascontiguousarray(value)
+        )
+        if arr.nbytes < IN_BAND:
+            data = arr.tobytes()
+        else:  # one frame per array, however often the message holds it
+            data = next((i for i, f in enumerate(frames) if f.obj is arr), None)
+            if data is None:
+                data = len(frames)
+                frames.append(memoryview(arr).cast("B"))
+        return (ND, arr.dtype.str, value.shape, data, t is not np.ndarray)
+    return value
+
+
+def loads(frames: list):
+    """The inverse of :func:`dumps` (``frames`` as received: writeable buffers)."""
+    return _unpack(pickle.loads(frames[0], buffers=frames[1:]), frames)
+
+
+def _unpack(value, frames: list):
+    t = type(value)
+    if t is tuple and len(value) == 5 and value[0] == ND:
+        _, dtype, shape, data, scalar = value
+        if isinstance(data, int):
+            arr = np.frombuffer(frames[data], dtype=dtype).reshape(shape)
+        else:
+            arr = np.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+        return arr[()] if scalar else arr
+    if t is tuple or t is list:
+        return t([_unpack(v, frames) for v in value])
+    return value
+
+
+def send(sock, obj) -> None:
+    """Write ``obj`` to ``sock`` as one message."""
+    send_frames(sock, dumps(obj))
+
+
+def send_frames(sock, frames: list) -> None:
+    """Write the frames of one message (:func:`dumps`) to ``sock``."""
+    lengths = [len(frames[0]), *(f.nbytes for f in frames[1:])]
+    prefix = _COUNT.pack(len(frames)) + b"".join(_LENGTH.pack(n) for n in lengths)
+    parts = [prefix, *frames]
+    total = len(prefix) + sum(lengths)
+    if hasattr(sock, "sendmsg") and not hasattr(sock, "cipher"):  # plain socket: one call
+        sent = sock.sendmsg(parts)
+        if sent == total:
+            return
+        parts = [memoryview(b"".join(bytes(p) for p in parts))[sent:]]  # pragma: no cover
+    for part in parts if total > 65536 else [b"".join(parts)]:
+        sock.sendall(part)
+
+
+def recv(reader):
+    """Read one message from ``reader`` (a socket's ``makefile("rb")``); EOFError when the
+    other end closed the connection."""
+    return loads(recv_frames(reader))
+
+
+def recv_frames(reader) -> list:
+    """Read the frames of one message (see :func:`recv`)."""
+    head = _read(reader, _COUNT.size)
+    (count,) = _COUNT.unpack(head)
+    if not 0 < count <= _MAX_FRAMES:
+        raise ConnectionError(f"not a dasktensor message: {count} frames announced")
+    sizes = _read(reader, _LENGTH.size * count)
+    frames = []
+    for i in range(count):
+        (n,) = _LENGTH.unpack_from(sizes, _LENGTH.size * i)
+        frames.append(_read(reader, n))
+    return frames
+
+
+def _read(reader, n: int) -> bytearray:
+    buffer = bytearray(n)
+    got = reader.readinto(buffer) if n else 0
+    if got != n:
+        if got == 0:
+            raise EOFError("the connection was closed")
+        raise ConnectionError(f"the connection was closed after {got} of {n} bytes")
+    return buffer
+
+
+def error_reply(e: BaseException) -> tuple:
+    """The reply carrying the model's exception ``e`` (raised in this thread)."""
+    from distributed.core import error_message
+
+    message = dict(error_message(e))
+    for name in ("exception", "traceback"):  # Serialize wrappers -> their pickled bytes
+        message[name] = getattr(message[name], "data", message[name])
+    return ("error", message)
+
+
+def nodelay(sock) -> None:
+    """Send small messages at once (no Nagle delay: a call is one small write)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class WireServer:
+    """A listening socket on ``host`` and a thread per connection, answering requests with
+    ``answer(key, method, args) -> reply``.
+
+    Parameters
+    ----------
+    host : str
+        The address to listen on (the worker's own host).
+    answer : callable
+        Runs one request; returns the reply (see the module docstring).
+    ssl_context : ssl.SSLContext, optional
+        Serve TLS only, with this (server side) context.
+
+    Examples
+    --------
+    >>> import socket
+    >>> server = WireServer("127.0.0.1", lambda key, method, args: ("OK", sum(args)))
+    >>> sock = socket.create_connection(server.address)
+    >>> send(sock, ("key", None, (1, 2, 3)))
+    >>> recv(sock.makefile("rb"))
+    ('OK', 6)
+    >>> sock.close(); server.close()
+    """
+
+    def __init__(self, host: str, answer: Callable, ssl_context=None, name: str = "dasktensor"):
+        self.answer = answer
+        self.ssl_context = ssl_context
+        self.name = name
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.listener = socket.create_server((host, 0), family=family, backlog=128)
+        self.address: tuple[str, int] = (host, self.listener.getsockname()[1])
+        self.connections: set = set()
+        self.lock = threading.Lock()
+        self.closed = False
+        threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True).start()
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_context is not None
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(
+                target=self._serve, args=(sock,), name=f"{self.name}-call", daemon=True
+            ).start()
+
+    def _serve(self, sock) -> None:
+        try:
+            nodelay(sock)
+            if self.ssl_context is not None:
+                sock.settimeout(10.0)  # a client that never completes its handshake
+                sock = self.ssl_context.wrap_socket(sock, server_side=True)
+                sock.settimeout(None)
+            with self.lock:
+                if self.closed:
+                    return
+                self.connections.add(sock)
+            reader = sock.makefile("rb")
+            while True:
+                try:
+                    frames = recv_frames(reader)
+                except (OSError, EOFError):
+                    return  # the caller went away (or spoke something else)
+                send_frames(sock, self._reply(frames))
+        except OSError:  # a failed handshake, or the caller left before its reply
+            return
+        finally:
+            with self.lock:
+                self.connections.discard(sock)
+            sock.close()
+
+    def _reply(self, frames: list) -> list:
+        """The reply's frames; arguments that do not unpickle, or a result that does not
+        pickle, are the call's error (the connection stays usable)."""
+        try:
+            key, method, args = loads(frames)
+            return dumps(self.answer(key, method, args))
+        except Exception as e:
+            return dumps(error_reply(e))
+
+    def close(self) -> None:
+        """Stop listening and end the connections (a call running goes on to its end)."""
+        with self.lock:
+            self.closed = True
+            connections, self.connections = self.connections, set()
+        try:  # wakes the accept thread (closing alone leaves it blocked, still listening)
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:  # pragma: no cover - not connected on some systems
+            pass
+        self.listener.close()
+        for sock in connections:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
