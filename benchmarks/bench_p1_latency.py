@@ -1,16 +1,21 @@
-"""P1: one remote logp+gradient round trip, dasktensor against pytensor-federated.
+"""P1: one remote logp+gradient round trip, against a raw socket echo and pytensor-federated.
 
-A 10-dimensional standard normal, ``logp, grad = -0.5 * x @ x, -x``, served two ways on
-this machine, both on loopback and measured in the same run, in interleaved rounds:
+A 10-dimensional standard normal, ``logp, grad = -0.5 * x @ x, -x``, served on this
+machine on loopback, all measured in the same run, call by call in interleaved order
+(medians and 99th percentiles of every call):
 
-* **pytensor-federated** (the baseline): its gRPC server in a subprocess, called through
-  its ``LogpGradServiceClient`` on the streamed path (what its ``LogpGradOp`` does);
+* **raw echo** (the floor): the bytes of dasktensor's request, length-prefixed, echoed by
+  another process that reads them into a NumPy array (``_echo.py``); and the same bytes
+  through a pyzmq ``REQ``/``REP`` pair (the messaging library a data plane could use);
+* **pytensor-federated** (the baseline of the earlier issue): its gRPC server in a
+  subprocess, called through its ``LogpGradServiceClient`` on the streamed path;
 * **dasktensor**: a ``RemoteModel`` built on the one worker process of a ``LocalCluster``
-  and called straight on that worker (``model.call``).
+  and called on that worker (``model.call``), inside a compiled PyTensor function of the
+  log-density and its gradient, and inside a PyMC model's compiled logp+dlogp function
+  (``Model.logp_dlogp_function``: what a sampler calls).
 
-Each is timed as a raw call and inside a compiled PyTensor function of the log-density
-and its gradient (the way a sampler calls it).  Target: dasktensor's latency <= 0.8x
-pytensor-federated's.  Also timed: dasktensor's first call (from a new ``RemoteModel`` to
+Targets: dasktensor's call <= 3x the raw echo and <= 0.15x pytensor-federated's, for the
+median and the p99.  Also timed: dasktensor's first call (from a new ``RemoteModel`` to
 its first result: building the replica, opening the connection; target <= 0.3 s), and the
 same with the client's connection to the scheduler included.  The cluster's worker starts
 the way ``dt.connect()`` starts them (importing dasktensor as it starts).  Also timed: the
@@ -32,7 +37,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (
     Row,
-    compare,
     fmt_time,
     load_row,
     local_cluster,
@@ -41,6 +45,7 @@ from _common import (
     quiet,
     versions_line,
 )
+from _echo import echo_servers
 
 NAME = "p1-latency"
 DIM = 10
@@ -58,7 +63,32 @@ def _imported_pytensor() -> bool:
     return "pytensor" in sys.modules
 
 
-def main(repeat: int = 15, number: int = 200) -> list[Row]:
+def per_call(fns: dict, calls: int, warmup: int = 50) -> dict:
+    """Seconds of every call of each function, the functions called in turn (one call of
+    each per round, the order alternating), so that a slow phase of the machine hits all
+    of them alike."""
+    import gc
+
+    import numpy as np
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {k: np.empty(calls) for k in fns}
+    names = list(fns)
+    gc.disable()
+    try:
+        for i in range(calls):
+            for name in names if i % 2 == 0 else reversed(names):
+                t0 = time.perf_counter()
+                fns[name]()
+                samples[name][i] = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    return samples
+
+
+def main(calls: int = 3000) -> list[Row]:
     quiet()
     import numpy as np
     import pytensor
@@ -77,10 +107,15 @@ def main(repeat: int = 15, number: int = 200) -> list[Row]:
         dt.RemoteModel(BareNormal, name="normal", scheduler=client).call("logp_grad", x)
         first_cold = time.perf_counter() - t0
         cold_pytensor = any(client.run(_imported_pytensor).values())
+    from distributed.security import Security
+
     with (
         local_cluster(n_workers=1, preload=["dasktensor"]) as client,
+        local_cluster(n_workers=1, protocol="tls://", security=Security.temporary()) as tls,
         federated_client(DIM) as (fed, fed_first, ver),
     ):
+        tls_model = dt.RemoteModel(Normal, name="normal", scheduler=tls)
+        np.testing.assert_allclose(tls_model.call("logp_grad", x)[1], -x)
         address = client.scheduler.address
 
         # dasktensor's first call: a new model on a connected client (nothing opened yet)
@@ -113,32 +148,76 @@ def main(repeat: int = 15, number: int = 200) -> list[Row]:
         for g, w in zip(f_ours(x), f_fed(x)):
             np.testing.assert_allclose(g, w)
 
-        times = compare(
-            {
-                "pytensor-federated client(x)": lambda: fed(x),
-                "dasktensor model.call": lambda: model.call("logp_grad", x),
-                "pytensor-federated compiled": lambda: f_fed(x),
-                "dasktensor compiled": lambda: f_ours(x),
-            },
-            repeat=repeat,
-            number=number,
-        )
-        model.close()
+        import pymc as pm
 
-    base, base_f = times["pytensor-federated client(x)"], times["pytensor-federated compiled"]
+        with pm.Model() as pm_model:
+            point = pm.Flat("x", shape=DIM)
+            pm.Potential("normal", ours_op(point)[0])
+        f_pymc = pm_model.logp_dlogp_function(ravel_inputs=True)
+        f_pymc.set_extra_values({})
+        np.testing.assert_allclose(f_pymc(x)[1], -x)
+
+        from dasktensor_worker import wire
+
+        payload = b"".join(bytes(f) for f in wire.dumps((model._spec.key, "logp_grad", (x,))))
+        with echo_servers() as (tcp_echo, zmq_echo):
+            variants = {
+                "raw echo (TCP, NumPy)": lambda: tcp_echo(payload),
+                "dasktensor model.call": lambda: model.call("logp_grad", x),
+                "dasktensor model.call, TLS cluster": lambda: tls_model.call("logp_grad", x),
+                "pytensor-federated client(x)": lambda: fed(x),
+                "dasktensor compiled": lambda: f_ours(x),
+                "pytensor-federated compiled": lambda: f_fed(x),
+                "dasktensor PyMC logp_dlogp": lambda: f_pymc(x),
+            }
+            if zmq_echo is not None:
+                variants["pyzmq REQ/REP echo"] = lambda: zmq_echo(payload)
+            samples = per_call(variants, calls)
+        model.close()
+        tls_model.close()
+
+    med = {k: float(np.median(v)) for k, v in samples.items()}
+    p99 = {k: float(np.percentile(v, 99)) for k, v in samples.items()}
+    echo, fed_call = "raw echo (TCP, NumPy)", "pytensor-federated client(x)"
     print_table(
-        ["variant", "median per call", "/ pytensor-federated"],
+        ["variant", "median", "p99", "median / echo", "median / federated"],
         [
-            (k, fmt_time(v), f"{v / (base_f if 'compiled' in k else base):.3f}")
-            for k, v in times.items()
+            (
+                k,
+                fmt_time(med[k]),
+                fmt_time(p99[k]),
+                f"{med[k] / med[echo]:.2f}",
+                f"{med[k] / med[fed_call]:.3f}",
+            )
+            for k in samples
         ],
-        title=f"[{NAME}] {repeat} interleaved rounds of {number} calls (pytensor-federated {ver})",
+        title=f"[{NAME}] {calls} calls of each, interleaved (pytensor-federated {ver}, "
+        f"{len(payload)}-byte request)",
     )
+    ours = "dasktensor model.call"
     rows = [
-        Row(NAME, "raw call: dasktensor / federated", times["dasktensor model.call"] / base, 0.8),
-        Row(NAME, "compiled: dasktensor / federated", times["dasktensor compiled"] / base_f, 0.8),
-        Row(NAME, "dasktensor call", times["dasktensor model.call"], unit="s"),
-        Row(NAME, "federated call", base, unit="s"),
+        Row(NAME, "call / raw echo (median)", med[ours] / med[echo], 3.0),
+        Row(NAME, "call / raw echo (p99)", p99[ours] / p99[echo], 3.0),
+        Row(NAME, "call / federated (median)", med[ours] / med[fed_call], 0.15),
+        Row(NAME, "call / federated (p99)", p99[ours] / p99[fed_call], 0.15),
+        Row(
+            NAME,
+            "compiled: dasktensor / federated (median)",
+            med["dasktensor compiled"] / med["pytensor-federated compiled"],
+            0.15,
+        ),
+        Row(
+            NAME,
+            "PyMC logp_dlogp / raw echo (median)",
+            med["dasktensor PyMC logp_dlogp"] / med[echo],
+        ),
+        Row(NAME, "TLS call / plain call (median)", med[f"{ours}, TLS cluster"] / med[ours]),
+        Row(NAME, "dasktensor call", med[ours], unit="s"),
+        Row(NAME, "dasktensor call, TLS cluster", med[f"{ours}, TLS cluster"], unit="s"),
+        Row(NAME, "dasktensor call p99", p99[ours], unit="s"),
+        Row(NAME, "dasktensor PyMC logp_dlogp", med["dasktensor PyMC logp_dlogp"], unit="s"),
+        Row(NAME, "raw echo", med[echo], unit="s"),
+        Row(NAME, "federated call", med[fed_call], unit="s"),
         Row(NAME, "dasktensor first call", first, 0.3, unit="s"),
         Row(NAME, "dasktensor connect + first call", first_connect, 0.3, unit="s"),
         Row(NAME, "dasktensor first call, cold worker", first_cold, unit="s"),
@@ -146,6 +225,10 @@ def main(repeat: int = 15, number: int = 200) -> list[Row]:
         Row(NAME, "federated connect + first call", fed_first, unit="s"),
         load_row(NAME),
     ]
+    if zmq_echo is not None:
+        rows.insert(
+            6, Row(NAME, "pyzmq echo / raw echo (median)", med["pyzmq REQ/REP echo"] / med[echo])
+        )
     print_rows(rows, title=f"[{NAME}] summary")
     return rows
 
