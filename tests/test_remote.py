@@ -326,3 +326,50 @@ def test_ops_and_functions_pickle_into_another_process(four, tmp_path):
     assert float(out.stdout.split()[-1]) == -1.5
     assert sorted(model.build_counts()) == sorted(before)  # the same replicas served it
     model.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)  # a caller waiting for ever fails here
+def test_a_frozen_worker_loses_its_call_to_another_replica():
+    """A stopped (SIGSTOP) worker without a nanny keeps its connections open (its kernel
+    still speaks TCP) and never answers; nobody kills it, only the scheduler sees it go
+    (``worker-ttl``: no heartbeats).  The waiting call asks the scheduler every
+    ``refresh-interval`` and then runs on another replica."""
+    from distributed import Client
+
+    settings = {
+        "distributed.scheduler.worker-ttl": "3s",
+        "dasktensor.remote.refresh-interval": "0.5s",
+    }
+    with (
+        dask.config.set(settings),
+        _cluster(n_workers=1) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        frozen = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
+             "--no-nanny", "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            client.wait_for_workers(2, timeout=60)
+            pids = client.run(os.getpid)
+            (lone,) = [a for a, pid in pids.items() if pid == frozen.pid]
+            (other,) = set(pids) - {lone}
+            model = dt.RemoteModel(
+                Probe, name="probe", replicas=1, workers=[lone], scheduler=client
+            )
+            assert model.start() == [lone]
+            assert model.call("where", 0.0)[0] == frozen.pid
+            os.kill(frozen.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            pid, _ = model.call("where", 0.0)
+            waited = time.monotonic() - t0
+            assert pid == pids[other]  # answered by a replica built on the other worker
+            assert waited < 60, waited
+            assert model.workers() == [other]
+            model.close()
+        finally:
+            frozen.kill()
+            frozen.wait()

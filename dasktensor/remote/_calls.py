@@ -14,6 +14,9 @@ server through the channel and reads the reply, in the calling thread:
   ``dasktensor.remote.allowed-failures`` such failures in one call raise
   ``RemoteModelError``.  A worker that cannot be reached securely (TLS) is an error at
   once (``RemoteModelError``), not a lost worker.
+* No reply, and the scheduler removed the worker (it stopped answering its heartbeats:
+  frozen, or cut off from the network; asked every ``refresh-interval`` of waiting): a
+  lost worker, as above.
 * No reply within the model's ``timeout``: ``TimeoutError`` (after ``retries``).  The
   call goes on on the worker (it cannot be stopped) and its worker counts as busy until
   the reply comes (read and dropped in a thread).
@@ -85,7 +88,7 @@ def _round_trip(replicas, address: str, spec: ModelSpec, method, args):
         done(address)
         return e
     try:
-        reply = conn.reply(spec.timeout)
+        reply = _reply(conn, replicas, address, spec.timeout)
     except TimeoutError:  # the call goes on on the worker; its reply will be dropped
         drain(conn, functools.partial(done, address))
         raise
@@ -96,6 +99,22 @@ def _round_trip(replicas, address: str, spec: ModelSpec, method, args):
     channel.give_back(conn)
     done(address)
     return reply
+
+
+def _reply(conn, replicas, address: str, timeout: float | None):
+    """The reply on ``conn``.  Without a ``timeout``, every ``refresh-interval`` of waiting
+    the scheduler is asked whether the worker is still there: a worker it removed (one
+    that stopped answering its heartbeats: frozen, or cut off) loses the call to another
+    replica instead of keeping the caller waiting for ever."""
+    if timeout is not None:
+        return conn.reply(timeout)
+    while not conn.readable(replicas.interval or 1.0):
+        if not replicas.alive(address):
+            raise ConnectionError(
+                f"the scheduler removed worker {address} while it ran the call (it stopped "
+                "answering); the call runs again on another replica"
+            )
+    return conn.reply(None)
 
 
 def _send(channel, replicas, address: str, spec: ModelSpec, method, args):
@@ -142,7 +161,7 @@ def call_many(calls: Sequence[tuple[ModelSpec, str | None, tuple]]) -> list:
         reply = conn
         if not isinstance(conn, BaseException):
             try:
-                reply = conn.reply(None)
+                reply = _reply(conn, replicas, address, None)
                 channel.give_back(conn)
             except _LOST as e:
                 conn.close()

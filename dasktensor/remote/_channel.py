@@ -28,6 +28,7 @@ module (``dasktensor.remote._replicas``, ``dasktensor.remote._calls``).
 from __future__ import annotations
 
 import os
+import select
 import socket
 import ssl
 import threading
@@ -73,6 +74,14 @@ class Connection:
         """The reply to the request sent; ``TimeoutError`` after ``timeout`` seconds."""
         self.sock.settimeout(timeout)
         return wire.recv(self.reader)
+
+    def readable(self, timeout: float) -> bool:
+        """Whether the reply starts arriving within ``timeout`` seconds (nothing is read:
+        requests and replies alternate, so no byte of the reply is buffered yet)."""
+        pending = getattr(self.sock, "pending", None)  # TLS: bytes decrypted already
+        if pending is not None and pending():
+            return True
+        return bool(select.select([self.sock], [], [], timeout)[0])
 
     def close(self) -> None:
         try:

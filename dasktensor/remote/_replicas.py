@@ -85,6 +85,14 @@ class ReplicaSet:
             raise ConnectionError(f"{address} holds no replica of {self.spec!r} any more")
         return found
 
+    def alive(self, address: str) -> bool:
+        """Whether the scheduler still has the worker at ``address`` (True when it cannot
+        be asked: the call's own failure will tell)."""
+        try:
+            return address in scheduler_workers(self.spec.client())
+        except Exception:
+            return True
+
     def start(self) -> list[str]:
         """Find or build the replicas now; their workers."""
         with self.lock:
