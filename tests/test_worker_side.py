@@ -99,6 +99,18 @@ def test_large_arrays_travel_out_of_band_and_small_ones_inside_the_message():
     assert len(frames[0]) < 600  # the small array is in the pickle, the big ones are not
 
 
+def test_large_arrays_at_any_depth_cross_together():
+    """Arrays in tuples and lists are packed by the wire, arrays inside other objects by
+    NumPy's pickling: both kinds of out-of-band frames in one message keep their order."""
+    top, inner, deep = np.arange(1000.0), np.ones(600), np.full((30, 30), 3.0)
+    value = (top, [inner, top], {"deep": deep}, np.float64(2.0), np.arange(3))
+    a, (b, c), d, scalar, small = wire_round_trip(value)
+    for got, want in [(a, top), (b, inner), (c, top), (d["deep"], deep), (small, [0, 1, 2])]:
+        np.testing.assert_array_equal(got, want)
+    assert type(scalar) is np.float64 and a.flags.writeable and d["deep"].flags.writeable
+    assert len(wire.dumps(value)) == 1 + 3  # top (once), inner, deep
+
+
 def test_other_values_and_sequences_cross_as_they_are():
     value = [1.5, "text", np.array([{"a": 1}], dtype=object), (np.int64(3), None)]
     back = wire_round_trip(value)
