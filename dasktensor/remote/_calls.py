@@ -96,6 +96,10 @@ def _round_trip(replicas, address: str, spec: ModelSpec, method, args):
         conn.close()
         done(address)
         return e
+    except BaseException:  # interrupted (Ctrl-C): the connection is not reused
+        conn.close()
+        done(address)
+        raise
     channel.give_back(conn)
     done(address)
     return reply
@@ -156,17 +160,31 @@ def call_many(calls: Sequence[tuple[ModelSpec, str | None, tuple]]) -> list:
             else:
                 drain(conn, functools.partial(done, address))
         raise
-    results, error = [], None
-    for spec, replicas, method, args, address, conn in sent:
-        reply = conn
-        if not isinstance(conn, BaseException):
-            try:
-                reply = _reply(conn, replicas, address, None)
-                channel.give_back(conn)
-            except _LOST as e:
+    replies = []
+    try:
+        for spec, replicas, method, args, address, conn in sent:
+            reply = conn
+            if not isinstance(conn, BaseException):
+                try:
+                    reply = _reply(conn, replicas, address, None)
+                    channel.give_back(conn)
+                except _LOST as e:
+                    conn.close()
+                    reply = e
+            done(address)
+            replies.append(reply)
+    except BaseException:  # interrupted (Ctrl-C): the calls not read end on their own
+        for i, (*_, address, conn) in enumerate(sent[len(replies) :]):
+            if isinstance(conn, BaseException):
+                done(address)
+            elif i == 0:  # the one being read: its connection is not reused
                 conn.close()
-                reply = e
-        done(address)
+                done(address)
+            else:
+                drain(conn, functools.partial(done, address))
+        raise
+    results, error = [], None
+    for (spec, replicas, method, args, address, _), reply in zip(sent, replies):
         status = reply[0] if isinstance(reply, tuple) else None
         try:
             if status == "OK":

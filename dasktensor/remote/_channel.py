@@ -157,6 +157,9 @@ def drain(conn: Connection, then: Callable[[], None]) -> None:
 
     def wait():
         try:
+            # a file object that timed out refuses to read again; nothing of the reply had
+            # arrived (it would not have timed out), so a new one starts at its first byte
+            conn.reader = conn.sock.makefile("rb")
             conn.reply(None)
         except Exception:
             pass
