@@ -140,6 +140,13 @@ class ResidentStages:
 
 
 def _release(models) -> None:
+    """Drop the stages' replicas, in a thread of its own: a finalizer runs wherever the
+    garbage collector does, possibly on Dask's event-loop thread, where a blocking client
+    call (``client.run``) would wait for that very loop for ever."""
+    threading.Thread(target=_close, args=(models,), name="dasktensor-release", daemon=True).start()
+
+
+def _close(models) -> None:
     for model in models:
         try:
             model.close()

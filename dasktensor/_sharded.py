@@ -244,6 +244,13 @@ def _release(models, pid: int, client) -> None:
         return
     if getattr(client, "status", None) != "running":  # the cluster is gone: nothing held
         return
+    # in a thread of its own: a finalizer runs wherever the garbage collector does,
+    # possibly on Dask's event-loop thread, where a blocking client call would wait for
+    # that very loop for ever (every later call in the process hung behind it)
+    threading.Thread(target=_close, args=(models,), name="dasktensor-release", daemon=True).start()
+
+
+def _close(models) -> None:
     for model in models:
         try:
             model.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import time
 
 import dask
 import numpy as np
@@ -201,8 +202,12 @@ def test_stages_are_released_with_their_function(client):
     keys = {key for s in stages_on(client, besides=others).values() for key in s}
     assert keys
     del f
-    gc.collect()
-    left = {key for s in stages_on(client).values() for key in s}
+    gc.collect()  # the release runs in a thread (a finalizer may run on Dask's loop)
+    deadline = time.monotonic() + 10
+    while keys & (left := {k for s in stages_on(client).values() for k in s}):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert not keys & left
 
 
