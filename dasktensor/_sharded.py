@@ -55,6 +55,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 
 from dasktensor import _config
 from dasktensor._cluster import SchedulerRef, scheduler_workers
+from dasktensor._resident import _release as release_stages
 from dasktensor._runners import TaskRunner
 from dasktensor._shard import NotSharded, ShardPlan, combine, find_shards, take_rows
 from dasktensor._shard_policy import (
@@ -244,18 +245,7 @@ def _release(models, pid: int, client) -> None:
         return
     if getattr(client, "status", None) != "running":  # the cluster is gone: nothing held
         return
-    # in a thread of its own: a finalizer runs wherever the garbage collector does,
-    # possibly on Dask's event-loop thread, where a blocking client call would wait for
-    # that very loop for ever (every later call in the process hung behind it)
-    threading.Thread(target=_close, args=(models,), name="dasktensor-release", daemon=True).start()
-
-
-def _close(models) -> None:
-    for model in models:
-        try:
-            model.close()
-        except Exception:  # the cluster is gone already
-            pass
+    release_stages(models)  # in a thread (see there: finalizers may run on Dask's loop)
 
 
 class _Entry:
