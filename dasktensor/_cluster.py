@@ -23,6 +23,7 @@ Everything in dasktensor that talks to a distributed cluster goes through here: 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -33,6 +34,7 @@ from typing import Any
 import dask
 import dask.threaded
 from dask.base import get_scheduler
+from dask.utils import parse_bytes
 
 from dasktensor import _config
 from dasktensor._placement import Placement
@@ -46,7 +48,8 @@ _clients_lock = threading.Lock()
 
 def _after_fork_in_child() -> None:  # pragma: no cover - runs in forked children
     """Make Dask usable in a forked child (see the module docstring)."""
-    global _clients_lock
+    global _clients_lock, _carried_lock
+    _carried_lock = threading.Lock()
     dask.threaded.default_pool = None
     dask.threaded.pools.clear()
     dask.threaded.pools_lock = threading.Lock()
@@ -240,6 +243,39 @@ def submit(client, fn: Callable, *args, key: str, placement: Placement | None = 
     """
     kwargs = (placement or Placement()).submit_kwargs()
     return client.submit(fn, *args, key=key, pure=False, **kwargs)
+
+
+@contextlib.contextmanager
+def carrying(nbytes: int):
+    """While submitting a task that carries ``nbytes`` of data on purpose (a data shard's
+    rows with its build, a compiled step method with a chain's first segment).
+
+    Dask warns of task graphs over ``distributed.admin.large-graph-warning-threshold``;
+    such data is sent with its task once, by design.  The threshold is raised while any
+    such task is being submitted (counted: submissions run in several threads).
+    """
+    if not isinstance(nbytes, int) or nbytes <= 0:
+        yield
+        return
+    key = "distributed.admin.large-graph-warning-threshold"
+    with _carried_lock:
+        if _carried["count"] == 0:
+            _carried["saved"] = dask.config.get(key)
+        _carried["count"] += 1
+        wanted = 2 * nbytes + 2**20
+        if parse_bytes(dask.config.get(key)) < wanted:
+            dask.config.set({key: wanted})
+    try:
+        yield
+    finally:
+        with _carried_lock:
+            _carried["count"] -= 1
+            if _carried["count"] == 0:
+                dask.config.set({key: _carried["saved"]})
+
+
+_carried_lock = threading.Lock()
+_carried: dict = {"count": 0, "saved": None}
 
 
 # ----------------------------------------------------------------------------- dashboard

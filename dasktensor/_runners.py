@@ -20,6 +20,7 @@ copies, one per concurrent caller.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -73,6 +74,15 @@ def _host_compile_lock():
 
     path = os.path.join(pytensor.config.compiledir, "dasktensor-compile.lock")
     return filelock.FileLock(path, timeout=600)
+
+
+@contextlib.contextmanager
+def compiling():
+    """Hold while compiling PyTensor code (or unpickling a compiled function): one
+    compilation at a time in this process (PyTensor's compilation is not thread-safe)
+    and on this host (processes share its compile directory)."""
+    with _compile_lock, _host_compile_lock():
+        yield
 
 
 def _aligned(value):
@@ -179,7 +189,7 @@ class TaskRunner:
         import pytensor
 
         ins = [In(v, mutable=i in self.destroyed) for i, v in enumerate(fresh)]
-        with _compile_lock, _host_compile_lock():
+        with compiling():
             fn = pytensor.function(
                 ins,
                 outputs,

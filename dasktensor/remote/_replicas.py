@@ -25,18 +25,15 @@ Everything here is per process and keyed by the model's key (module globals, res
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import threading
 import time
 import uuid
 
-import dask.config
-from dask.utils import parse_bytes
-
 from dasktensor import _config
 from dasktensor._cluster import (
+    carrying,
     check_resources,
     offers,
     scheduler_workers,
@@ -166,7 +163,7 @@ class ReplicaSet:
         if len(holders) < wanted:
             free = [a for a in eligible if a not in holders]
             targets = _in_order(spec, free, workers)[: wanted - len(holders)]
-            with _data_carried(spec.factory):
+            with carrying(getattr(spec.factory, "nbytes", 0)):
                 futures = [
                     submit(
                         client,
@@ -195,37 +192,6 @@ def _endpoints(client, key: str, among: list[str]) -> dict[str, tuple]:
         return {}
     found = client.run(tasks.endpoint, key, workers=among, on_error="return")
     return {a: tuple(e) for a, e in found.items() if isinstance(e, tuple | list)}
-
-
-@contextlib.contextmanager
-def _data_carried(factory):
-    """Dask warns of task graphs over ``distributed.admin.large-graph-warning-threshold``;
-    a factory that says it carries data (``factory.nbytes``, e.g. a data shard's rows)
-    is sent with its build task on purpose, once per build.  The threshold is raised
-    while any such build is being submitted (counted: builds run in several threads)."""
-    nbytes = getattr(factory, "nbytes", 0)
-    if not isinstance(nbytes, int) or nbytes <= 0:
-        yield
-        return
-    key = "distributed.admin.large-graph-warning-threshold"
-    with _carried_lock:
-        if _carried["count"] == 0:
-            _carried["saved"] = dask.config.get(key)
-        _carried["count"] += 1
-        wanted = 2 * nbytes + 2**20
-        if parse_bytes(dask.config.get(key)) < wanted:
-            dask.config.set({key: wanted})
-    try:
-        yield
-    finally:
-        with _carried_lock:
-            _carried["count"] -= 1
-            if _carried["count"] == 0:
-                dask.config.set({key: _carried["saved"]})
-
-
-_carried_lock = threading.Lock()
-_carried: dict = {"count": 0, "saved": None}
 
 
 def _in_order(spec: ModelSpec, free: list[str], workers: dict[str, dict]) -> list[str]:
@@ -302,8 +268,7 @@ _process_number: int | None = None
 
 
 def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
-    global _sets_lock, _inflight_lock, _process_number, _carried_lock
-    _carried_lock = threading.Lock()
+    global _sets_lock, _inflight_lock, _process_number
     _process_number = None
     _sets.clear()
     _sets_lock = threading.Lock()
