@@ -34,6 +34,8 @@ from dasktensor._plan import plan_graph as plan_graph
 from dasktensor._pmap import PMapped as PMapped
 from dasktensor._pmap import pmap as pmap
 from dasktensor._predictive import sample_posterior_predictive as sample_posterior_predictive
+from dasktensor._sample import sample as sample
+from dasktensor._store import StoreMismatchError as StoreMismatchError
 from dasktensor._weights import is_heavy as is_heavy
 from dasktensor._weights import mark_heavy as mark_heavy
 from dasktensor.remote import RemoteModel as RemoteModel
@@ -59,6 +61,7 @@ __all__ = [
     "Plan",
     "RemoteModel",
     "RemoteModelError",
+    "StoreMismatchError",
     "Task",
     "annotate",
     "arrays_to_arrays_op",
@@ -72,5 +75,6 @@ __all__ = [
     "mark_heavy",
     "plan_graph",
     "pmap",
+    "sample",
     "sample_posterior_predictive",
 ]

@@ -76,3 +76,15 @@ def register_python_ops_with_numba(*op_types: type) -> None:
     for op_type in new:
         numba_funcify.register(op_type)(object_mode)
         _numba_registered.add(op_type)
+
+
+def setup_chain(step, rng, tune: int, draws: int) -> None:
+    """Prepare a step method for one chain, as ``pm.sample`` does before its first draw.
+
+    PyMC 6 has ``step.setup_chain(rng, tune, draws)``; PyMC 5 sets the random generator
+    only (``step.set_rng(rng)``).
+    """
+    if PYMC_6:
+        step.setup_chain(rng, tune, draws)
+    else:
+        step.set_rng(rng)

@@ -1,0 +1,251 @@
+"""``dt.sample``: chains as Dask segments, on real worker processes, against ``pm.sample``.
+
+The draws must be those of ``pm.sample`` with the same arguments, bit for bit (timing
+statistics aside), whatever the segment size, the number of workers or the faults: a
+worker killed mid-run, the calling process killed and the run resumed from its store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pymc as pm
+import pytest
+from _sample_models import PICKLED, RUN, assert_same_draws, groups_of, hierarchical
+from conftest import _cluster
+
+import dasktensor as dt
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two worker processes (with nannies: a killed worker comes back)."""
+    with _cluster(n_workers=2) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def client(cluster):
+    from distributed import Client
+
+    with Client(cluster, set_as_default=False) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """pm.sample of the hierarchical model with the runs' arguments (chains in spawned
+    processes, from the pickled step method: see ``_sample_models.PICKLED``)."""
+    with hierarchical():
+        return pm.sample(**RUN, **PICKLED, compute_convergence_checks=False)
+
+
+def summary(caplog) -> str:
+    lines = [r.getMessage() for r in caplog.records if r.name == "dasktensor.sample"]
+    assert lines, "dt.sample logged no summary"
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("every", [7, 50])
+def test_draws_equal_pm_sample_whatever_the_segment_size(client, reference, every, caplog):
+    caplog.set_level(logging.INFO, logger="dasktensor.sample")
+    with hierarchical():
+        idata = dt.sample(**RUN, client=client, checkpoint_every=every,
+                          compute_convergence_checks=False)  # fmt: skip
+    assert_same_draws(idata, reference)
+    segments = int(re.search(r"in (\d+) segments", summary(caplog))[1])
+    total = RUN["draws"] + RUN["tune"]
+    assert segments == RUN["chains"] * -(-total // every)
+    # the step method compiled once per worker that ran segments (one thread each)
+    compiled = [int(n) for n in re.findall(r"(\d+)x on", summary(caplog))]
+    assert compiled and all(n == 1 for n in compiled), summary(caplog)
+
+
+def test_one_worker_gives_the_draws_of_two_and_warmup_groups(reference):
+    from distributed import Client
+
+    with _cluster(n_workers=1) as one, Client(one, set_as_default=False) as client:
+        with hierarchical():
+            idata = dt.sample(**RUN, client=client, discard_tuned_samples=False,
+                              compute_convergence_checks=False)  # fmt: skip
+    assert_same_draws(idata, reference)
+    groups = groups_of(idata)
+    assert {"warmup_posterior", "warmup_sample_stats"} <= set(groups)
+    assert groups["warmup_posterior"]["mu"].shape == (RUN["chains"], RUN["tune"])
+
+
+def test_segments_are_named_after_their_chains_on_the_dashboard(client, reference):
+    from dask.utils import key_split
+    from distributed import get_task_stream
+
+    with get_task_stream(client) as stream, hierarchical():
+        dt.sample(**RUN, client=client, checkpoint_every=20, compute_convergence_checks=False)
+    names = {key_split(t["key"]) for t in stream.data}
+    assert {f"chain_{c}" for c in range(RUN["chains"])} <= names, names
+
+
+def test_a_killed_worker_costs_a_segment_and_changes_no_draw(client, reference):
+    """SIGKILL the worker running a segment, mid-run: Dask runs it again elsewhere."""
+    killed = []
+
+    def kill_a_busy_worker(trace, draw):
+        if killed or draw.draw_idx != 25:
+            return
+        pids = client.run(os.getpid)
+        busy = [w for w, keys in client.processing().items() if any("chain_" in str(k) for k in keys)]
+        assert busy, client.processing()
+        os.kill(pids[busy[0]], signal.SIGKILL)
+        killed.append(pids[busy[0]])
+
+    with hierarchical():
+        idata = dt.sample(**RUN, client=client, checkpoint_every=10, callback=kill_a_busy_worker,
+                          compute_convergence_checks=False)  # fmt: skip
+    assert killed
+    assert killed[0] not in client.run(os.getpid).values()  # the nanny started a new one
+    assert_same_draws(idata, reference)
+
+
+CALLER = """
+import sys
+sys.path.insert(0, {tests!r})
+from distributed import Client
+import dasktensor as dt
+from _sample_models import RUN, hierarchical
+with Client({address!r}) as client, hierarchical():
+    dt.sample(**RUN, client=client, store={store!r}, checkpoint_every=5,
+              compute_convergence_checks=False)
+"""
+
+
+def test_a_killed_caller_resumes_from_its_store(cluster, client, reference, tmp_path, caplog):
+    """The calling process is SIGKILLed once segments are stored; dt.sample(resume=True)
+    continues and gives the draws of an uninterrupted run."""
+    store = tmp_path / "run.zarr"
+    script = CALLER.format(tests=str(Path(__file__).parent), address=cluster.scheduler_address,
+                           store=str(store))  # fmt: skip
+    caller = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while _segments(store) < 4:
+            assert caller.poll() is None, caller.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no segment was stored"
+            time.sleep(0.05)
+        caller.send_signal(signal.SIGKILL)
+    finally:
+        caller.kill()
+        caller.wait()
+        caller.stderr.close()
+    stored = _segments(store)
+    assert 4 <= stored < RUN["chains"] * 14  # (70 draws in segments of 5 per chain)
+    caplog.set_level(logging.INFO, logger="dasktensor.sample")
+    with hierarchical():
+        idata = dt.sample(**RUN, client=client, store=store, resume=True, checkpoint_every=9,
+                          compute_convergence_checks=False)  # fmt: skip
+    assert_same_draws(idata, reference)
+    kept = re.search(r"\[([\d, ]+)\] draws of each chain were stored", summary(caplog))
+    assert kept and sum(int(n) for n in kept[1].split(",")) >= 20, summary(caplog)
+
+
+def _segments(store: Path) -> int:
+    return len(list(store.glob("segments/chain-*/*.pkl"))) if store.exists() else 0
+
+
+def test_a_store_of_another_run_is_refused_and_left_as_it_was(client, tmp_path):
+    store = tmp_path / "run.zarr"
+    small = dict(RUN, draws=5, tune=5, chains=1)
+    with hierarchical():
+        dt.sample(**small, client=client, store=store, compute_convergence_checks=False)
+    before = sorted((p, p.stat().st_mtime_ns) for p in store.rglob("*"))
+    with hierarchical(), pytest.raises(FileExistsError, match="resume=True"):
+        dt.sample(**small, client=client, store=store)
+    with hierarchical(shift=1.0), pytest.raises(dt.StoreMismatchError, match="model is"):
+        dt.sample(**small, client=client, store=store, resume=True)
+    with hierarchical(), pytest.raises(dt.StoreMismatchError, match="draws is 5 there, 6 here"):
+        dt.sample(**dict(small, draws=6), client=client, store=store, resume=True)
+    assert sorted((p, p.stat().st_mtime_ns) for p in store.rglob("*")) == before
+
+
+def test_a_worker_that_joins_takes_segments(reference):
+    from distributed import Client
+
+    from distributed import get_task_stream
+
+    with _cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+        (first,) = client.run(os.getpid)
+
+        def add_a_worker(trace, draw):
+            if len(cluster.workers) == 1 and draw.draw_idx == 15:
+                cluster.scale(2)
+                client.wait_for_workers(2, timeout=120)  # segments go on meanwhile
+
+        with get_task_stream(client) as stream, hierarchical():
+            idata = dt.sample(**RUN, client=client, checkpoint_every=5, callback=add_a_worker,
+                              compute_convergence_checks=False)  # fmt: skip
+        (joined,) = set(client.run(os.getpid)) - {first}
+        ran_on = {t["worker"] for t in stream.data if "chain_" in str(t["key"])}
+        assert joined in ran_on, (joined, ran_on)
+    assert_same_draws(idata, reference)
+
+
+def test_concurrent_fits_in_threads_give_their_own_draws(client):
+    """Two dt.sample calls at once (another model each), each equal to its pm.sample."""
+    runs = dict(RUN, chains=2, draws=15, tune=15)
+    results, errors = {}, []
+
+    def fit(shift):
+        try:
+            with hierarchical(shift=shift):
+                results[shift] = dt.sample(**runs, client=client, checkpoint_every=6,
+                                           compute_convergence_checks=False)  # fmt: skip
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=fit, args=(s,)) for s in (0.0, 2.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for shift, got in results.items():
+        with hierarchical(shift=shift):
+            expected = pm.sample(**runs, **PICKLED, compute_convergence_checks=False)
+        assert_same_draws(got, expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"cores": 2}, TypeError, r"does not take cores= \(the chains run on the cluster"),
+        ({"checkpoint_every": 0}, ValueError, "checkpoint_every= a positive integer"),
+        ({"resume": True}, ValueError, "expected a store= to resume from"),
+        ({"nuts_sampler": "numpyro"}, ValueError, "nuts_sampler='pymc'"),
+        ({"store": "x.zarr", "random_seed": [1, 2]}, TypeError, "random_seed= an int"),
+        ({"client": "tcp://nowhere:1"}, TypeError, "client= a distributed.Client"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_work(kwargs, error, match, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with hierarchical(), pytest.raises(error, match=match):
+        dt.sample(**{**RUN, **kwargs})
+    assert not list(tmp_path.iterdir())  # no store was started
+
+
+def test_without_a_cluster_it_says_what_to_do():
+    import dask
+
+    with (
+        dask.config.set(scheduler="threads"),  # whatever default client another test left
+        hierarchical(),
+        pytest.raises(RuntimeError, match="expected a distributed Client"),
+    ):
+        dt.sample(**RUN)
