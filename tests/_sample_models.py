@@ -53,3 +53,29 @@ def assert_same_draws(got, expected) -> None:
             np.testing.assert_array_equal(
                 got[group][name].values, values.values, err_msg=f"{group}/{name}"
             )
+
+
+class Gaussian:
+    """A remote model: the log-density of fixed data under N(mu, 1), and its gradient."""
+
+    def __init__(self):
+        self.data = np.random.default_rng(3).normal(1.0, 1.0, size=50)
+
+    def logp_grad(self, mu):
+        r = self.data - mu[0]
+        return -0.5 * float(r @ r), np.array([r.sum()])
+
+
+def with_remote_likelihood(client):
+    """A model whose likelihood is a call of a ``dt.RemoteModel`` on the cluster."""
+    import pymc as pm
+    import pytensor.tensor as pt
+
+    import dasktensor as dt
+
+    remote = dt.RemoteModel(Gaussian, name="gaussian", scheduler=client)
+    likelihood = remote.logp_grad_op("logp_grad", [pt.dvector])
+    with pm.Model() as model:
+        mu = pm.Normal("mu", 0.0, 5.0, shape=1)
+        pm.Potential("likelihood", likelihood(mu)[0])
+    return model, remote

@@ -249,3 +249,22 @@ def test_without_a_cluster_it_says_what_to_do():
         pytest.raises(RuntimeError, match="expected a distributed Client"),
     ):
         dt.sample(**RUN)
+
+
+def test_chains_whose_likelihood_calls_a_remote_model(client):
+    """Segments on the workers call a RemoteModel (served by the workers too)."""
+    from _clusters import channel_calls
+    from _sample_models import with_remote_likelihood
+
+    model, remote = with_remote_likelihood(client)
+    runs = dict(RUN, chains=2, draws=20, tune=20)
+    try:
+        before = channel_calls(client).get("gaussian", 0)
+        with model:
+            got = dt.sample(**runs, client=client, checkpoint_every=8,
+                            compute_convergence_checks=False)  # fmt: skip
+            expected = pm.sample(**runs, **PICKLED, compute_convergence_checks=False)
+        assert channel_calls(client)["gaussian"] - before >= 2 * 2 * 40  # both runs' calls
+        assert_same_draws(got, expected)
+    finally:
+        remote.close()
