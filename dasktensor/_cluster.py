@@ -278,6 +278,38 @@ _carried_lock = threading.Lock()
 _carried: dict = {"count": 0, "saved": None}
 
 
+@contextlib.contextmanager
+def task_slot_released():
+    """While the calling thread waits for other Dask work (the builds of replicas it is
+    about to call), if it runs a Dask task: the thread leaves its worker's thread pool
+    and rejoins it afterwards (``distributed.secede``/``rejoin``).
+
+    A chain's segment, a task, may build the data shards or remote models its
+    log-density calls; with every worker thread running a segment, those builds would
+    wait for a free thread for ever.  Elsewhere this does nothing.
+    """
+    try:
+        from distributed.utils import thread_state
+    except ImportError:  # pragma: no cover - distributed is a dependency
+        yield
+        return
+    if getattr(thread_state, "key", None) is None or getattr(_seceded, "now", False):
+        yield
+        return
+    from distributed import rejoin, secede
+
+    secede()
+    _seceded.now = True
+    try:
+        yield
+    finally:
+        _seceded.now = False
+        rejoin()
+
+
+_seceded = threading.local()
+
+
 # ----------------------------------------------------------------------------- dashboard
 
 _pages_shown: set[tuple[int, str]] = set()

@@ -142,8 +142,15 @@ class ResidentStages:
 def _release(models) -> None:
     """Drop the stages' replicas, in a thread of its own: a finalizer runs wherever the
     garbage collector does, possibly on Dask's event-loop thread, where a blocking client
-    call (``client.run``) would wait for that very loop for ever."""
-    threading.Thread(target=_close, args=(models,), name="dasktensor-release", daemon=True).start()
+    call (``client.run``) would wait for that very loop for ever.  At interpreter exit no
+    thread can start (nor would a client call finish): the replicas stay on the workers
+    until they are released or the workers restart."""
+    try:
+        thread = threading.Thread(target=_close, args=(models,), name="dasktensor-release")
+        thread.daemon = True
+        thread.start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown"
+        pass
 
 
 def _close(models) -> None:

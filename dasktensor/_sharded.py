@@ -54,7 +54,7 @@ import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
 
 from dasktensor import _config
-from dasktensor._cluster import SchedulerRef, scheduler_workers
+from dasktensor._cluster import SchedulerRef, scheduler_workers, task_slot_released
 from dasktensor._resident import _release as release_stages
 from dasktensor._runners import TaskRunner
 from dasktensor._shard import NotSharded, ShardPlan, combine, find_shards, take_rows
@@ -222,7 +222,7 @@ class ShardStages:
 
     def start(self) -> list[str]:
         """Build every stage now (concurrently); the worker of each."""
-        with ThreadPoolExecutor(len(self.models)) as pool:
+        with task_slot_released(), ThreadPoolExecutor(len(self.models)) as pool:
             found = list(pool.map(lambda m: m.start(), self.models))
         self.built = [w[0] if w else "?" for w in found]
         return self.built

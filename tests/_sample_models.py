@@ -79,3 +79,17 @@ def with_remote_likelihood(client):
         mu = pm.Normal("mu", 0.0, 5.0, shape=1)
         pm.Potential("likelihood", likelihood(mu)[0])
     return model, remote
+
+
+def regression(rows: int = 4000):
+    """A linear regression whose log-density is a sum over its observed rows."""
+    import pymc as pm
+
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(rows, 2))
+    y = X @ np.array([1.0, -1.0]) + rng.normal(size=rows)
+    with pm.Model() as model:
+        b = pm.Normal("b", 0, 1, shape=2)
+        s = pm.HalfNormal("s", 1)
+        pm.Normal("y", X @ b, s, observed=y)
+    return model

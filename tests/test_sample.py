@@ -268,3 +268,32 @@ def test_chains_whose_likelihood_calls_a_remote_model(client):
         assert_same_draws(got, expected)
     finally:
         remote.close()
+
+
+def test_chains_whose_likelihood_is_sharded_over_the_workers(monkeypatch):
+    """compile_kwargs={"mode": DASK with shards}: each segment's step method, unpickled on
+    a worker, splits the log-density over data shards on the workers (built from within
+    the segment's task, which leaves its thread slot meanwhile)."""
+    import dask
+    from _clusters import channel_calls
+    from _sample_models import regression
+    from distributed import Client
+
+    # small data sharded: here, in the workers and in pm.sample's spawned processes
+    monkeypatch.setenv("DASK_DASKTENSOR__SHARD__MIN_ROWS", "1000")
+    runs = dict(RUN, chains=2, draws=15, tune=15)
+    with (
+        dask.config.set({"dasktensor.shard.min-rows": 1000}),
+        _cluster(n_workers=2) as cluster,
+        Client(cluster, set_as_default=False) as client,
+        regression(),
+    ):
+        mode = dt.dask_mode(shards=2, scheduler=client)
+        got = dt.sample(**runs, client=client, checkpoint_every=10,
+                        compile_kwargs={"mode": mode}, compute_convergence_checks=False)  # fmt: skip
+        calls = channel_calls(client).get("shard", 0)
+        assert calls >= 2 * 2 * 30, calls  # 2 shards, every evaluation of 2 chains
+        expected = pm.sample(**runs, **PICKLED, compile_kwargs={"mode": mode},
+                             compute_convergence_checks=False)  # fmt: skip
+        assert channel_calls(client)["shard"] >= 2 * calls  # the reference is sharded too
+    assert_same_draws(got, expected)

@@ -39,6 +39,7 @@ from dasktensor._cluster import (
     scheduler_workers,
     show_calls_page,
     submit,
+    task_slot_released,
 )
 from dasktensor._placement import Placement
 from dasktensor.remote._channel import get_channel
@@ -181,7 +182,8 @@ class ReplicaSet:
                     )
                     for a in targets
                 ]
-            built = client.gather(futures)  # a factory's error is raised here
+            with task_slot_released():  # (called from a task: see there)
+                built = client.gather(futures)  # a factory's error is raised here
             held.update(_endpoints(client, spec.key, [a for a in built if a not in held]))
         return held
 
