@@ -4,7 +4,8 @@ The plan's picture is read back as XML (``xml.etree``: an unescaped name would n
 one box per task with the task's dashboard name, one edge per dependency, colours by where
 tasks run.  Headless Chromium renders it (``_browser.py``) to check what the text can't:
 every text fits in its box and no boxes overlap; that screenshot is how ``docs/plan.png``
-is made (``$DASKTENSOR_SCREENSHOT_DIR``).
+is made (``$DASKTENSOR_SCREENSHOT_DIR``).  Remote models and the cluster summary are
+asked on a real cluster of worker processes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import shutil
 import xml.etree.ElementTree as ET
 
+import dask
 import numpy as np
 import pytensor.tensor as pt
 import pytest
@@ -189,6 +191,71 @@ def test_visualize_writes_svg_or_html_and_returns_the_picture(tmp_path):
     with pytest.raises(ValueError, match="expected format 'svg' or 'html', got 'png'"):
         plan.visualize(tmp_path / "plan.png")
     assert not (tmp_path / "plan.png").exists()
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class Scaled:
+    def __init__(self, factor):
+        self.factor = factor
+
+    def scale(self, x):
+        return x * self.factor
+
+
+def model_rows(html: str) -> dict[str, tuple[str, list[str]]]:
+    """``{worker name: (row class, cells)}`` of a model's HTML table (read as XML)."""
+    table = ET.fromstring(html[html.index("<table>") : html.index("</table>") + 8])
+    rows = table.find("tbody").findall("tr")
+    return {r[0].text: (r.get("class"), [td.text for td in r]) for r in rows}
+
+
+@pytest.mark.slow
+def test_remote_model_html_lists_the_workers_holding_replicas(client):
+    import functools
+
+    workers = {a: str(w["name"]) for a, w in client.scheduler_info()["workers"].items()}
+    model = dt.RemoteModel(
+        functools.partial(Scaled, 2.0), name="scaled", replicas=1, retries=1, scheduler=client
+    )
+    other = dt.RemoteModel(functools.partial(Scaled, 3.0), name="tripled", scheduler=client)
+    try:
+        (holder,) = model.start()
+        other.start()
+        for k in range(5):
+            assert model.call("scale", float(k)) == 2.0 * k
+        html = model._repr_html_()
+        assert "<b>RemoteModel scaled</b>" in html and "retries 1" in html
+        rows = model_rows(html)
+        assert set(rows) == set(workers.values())
+        assert {n for n, (cls, _) in rows.items() if cls == "holds"} == {workers[holder]}
+        cls, cells = rows[workers[holder]]
+        assert cells[1:5] == ["yes", "1", "5", "0"]  # holds, builds, calls, errors
+        assert "held by 1 of 2 worker(s), 5 call(s) answered so far" in html
+        for name, (_, cells) in rows.items():
+            if name != workers[holder]:
+                assert cells[1:4] == ["no", "0", "0"]
+
+        summary = dt.cluster_summary(client)
+        assert {w.name for w in summary.workers} == set(workers.values())
+        by_name = {r[0]: r for r in summary.rows()}
+        assert by_name[workers[holder]][1] == "scaled, tripled"
+        assert "scaled: 5" in by_name[workers[holder]][2]
+        assert "tripled" in str(summary) and "<table>" in summary._repr_html_()
+    finally:
+        model.close()
+        other.close()
+    rows = model_rows(model._repr_html_())  # released: no worker holds it any more
+    assert {cls for cls, _ in rows.values()} == {"other"}
+
+
+def test_remote_model_html_without_a_cluster_says_why():
+    model = dt.RemoteModel(Site, name="lonely", resources={"GPU": 1})
+    with dask.config.set(scheduler="sync"):
+        html = model._repr_html_()
+    assert "<b>RemoteModel lonely</b>" in html and "resources GPU=1" in html
+    assert "cluster not reachable (RemoteModelError" in html and "dt.connect()" in html
 
 
 # ----------------------------------------------------------------------------- in a browser
