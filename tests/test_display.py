@@ -243,6 +243,7 @@ def test_remote_model_html_lists_the_workers_holding_replicas(client):
         assert by_name[workers[holder]][1] == "scaled, tripled"
         assert "scaled: 5" in by_name[workers[holder]][2]
         assert "tripled" in str(summary) and "<table>" in summary._repr_html_()
+        assert repr(summary) == str(summary) and holder not in repr(summary)  # no addresses
     finally:
         model.close()
         other.close()

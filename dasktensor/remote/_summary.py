@@ -36,11 +36,12 @@ class WorkerModels:
     calls: dict  #: ``{model name: (calls, errors, seconds)}`` it answered
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ClusterSummary:
     """What a cluster's workers held and had answered when :func:`cluster_summary` asked.
 
-    Jupyter shows it as a table, a row per worker; ``str()`` gives the same table as text.
+    Jupyter shows it as a table, a row per worker; ``str()`` and ``repr()`` give the same
+    table as text.
     """
 
     workers: tuple[WorkerModels, ...]
@@ -72,6 +73,8 @@ class ClusterSummary:
         rows = [["worker", "models held", "calls answered"], *self.rows()]
         w0, w1 = (max(len(r[i]) for r in rows) for i in (0, 1))
         return "\n".join(f"{r[0]:<{w0}}  {r[1]:<{w1}}  {r[2]}".rstrip() for r in rows)
+
+    __repr__ = __str__
 
 
 def cluster_summary(client=None) -> ClusterSummary:
