@@ -19,6 +19,7 @@ This module imports nothing from dasktensor, so that the modules it serves (``_p
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 import os
@@ -233,12 +234,18 @@ def _box(task, lay: _Layout) -> str:
     )
 
 
-def plan_html(plan) -> str:
+def plan_html(plan, inline: bool = False) -> str:
     """The plan for Jupyter: the picture of :func:`plan_svg`, and its tasks as a table.
 
     The table, folded under the picture, holds what ``print(plan)`` prints: each task's
     name, kind, where it runs, nodes, dependencies, reason and placement, and whether the
     function is split into data shards.
+
+    The picture is an ``<img>`` of the SVG (a ``data:`` URI): JupyterLab sanitizes the HTML
+    outputs of a notebook it does not trust (any notebook opened from a fresh clone) and
+    drops inline ``<svg>`` elements, leaving their text run together; an image survives.
+    ``inline=True`` puts the SVG itself in the page (its boxes' tooltips work there), for
+    a page of one's own (``Plan.visualize("plan.html")``).
 
     Examples
     --------
@@ -246,7 +253,7 @@ def plan_html(plan) -> str:
     >>> import dasktensor as dt
     >>> x = pt.vector("x")
     >>> page = dt.function([x], pt.exp(x).sum()).plan._repr_html_()
-    >>> page.count("<svg"), page.count("<tr")  # the header row and one task
+    >>> page.count('<img src="data:image/svg+xml;base64,'), page.count("<tr")  # 1 task
     (1, 2)
     """
     rows = [
@@ -264,8 +271,13 @@ def plan_html(plan) -> str:
     ]
     head = ["#", "task", "kind", "runs", "nodes", "deps", "reason", "placement"]
     notes = "".join(f"<p>{escape(line)}</p>" for line in (plan.sharding or "").splitlines())
+    svg = plan_svg(plan)
+    if not inline:
+        alt = f"the plan's {len(plan.tasks)} task(s): " + ", ".join(t.name for t in plan.tasks)
+        data = base64.b64encode(svg.encode()).decode()
+        svg = f'<img src="data:image/svg+xml;base64,{data}" alt="{escape(alt)}"/>'
     return (
-        f'<div class="dasktensor-plan">{plan_svg(plan)}<details><summary>'
+        f'<div class="dasktensor-plan">{svg}<details><summary>'
         f"{len(plan.tasks)} task(s), as <code>print(plan)</code> lists them</summary>"
         f"{table(head, rows)}{notes}</details></div>"
     )
@@ -334,7 +346,7 @@ def visualize(plan, filename=None, format: str | None = None):
                 f"{filename!r}); for a PNG, open the SVG in a browser or convert it "
                 "(`rsvg-convert plan.svg -o plan.png`)"
             )
-        text = svg if format == "svg" else _page(plan_html(plan))
+        text = svg if format == "svg" else _page(plan_html(plan, inline=True))
         with open(filename, "w", encoding="utf-8") as file:
             file.write(text)
     try:

@@ -11,6 +11,7 @@ asked on a real cluster of worker processes.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import os
 import shutil
@@ -24,7 +25,7 @@ from _browser import CHROMIUM, DevTools, headless_chromium
 from dask.utils import key_split
 
 import dasktensor as dt
-from dasktensor._display import COLOURS
+from dasktensor._display import COLOURS, plan_html
 from dasktensor._plan import Plan
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -157,14 +158,22 @@ def test_names_and_reasons_are_escaped():
     assert texts(tasks_of(svg)[0])[0] == odd  # parsed back: escaped in the XML
     assert "a<b>" not in svg and "a&lt;b&gt;&amp;" in svg
     html = plan._repr_html_()
-    assert "a<b>" not in html and "x &lt; y &amp; z" in html
+    assert "a<b>" not in html and "a&lt;b&gt;&amp;&quot;c" in html  # table and alt text
+    assert "x &lt; y &amp; z" in html
     assert "<never>" not in html and "&lt;never&gt; &amp; always" in html
 
 
 def test_html_holds_the_picture_and_the_table_of_tasks():
     f = quickstart()
     html = f.plan._repr_html_()
-    assert html.count("<svg") == 1 and f.plan._repr_svg_() in html
+    # the picture as an image: what JupyterLab keeps of an untrusted notebook's HTML
+    assert "<svg" not in html and html.count("<img") == 1
+    src = html.split('<img src="')[1].split('"')[0]
+    assert src.startswith("data:image/svg+xml;base64,")
+    assert base64.b64decode(src.split(",", 1)[1]).decode() == f.plan._repr_svg_()
+    assert 'alt="the plan&#x27;s 5 task(s): branch, branch, branch, branch, stage-' in html
+    inline = plan_html(f.plan, inline=True)
+    assert "<img" not in inline and f.plan._repr_svg_() in inline
     rows = html.split("<tbody>")[1].split("</tbody>")[0].count("<tr")
     assert rows == len(f.plan.tasks)
     assert "not sharded" in html  # the plan's sharding line
