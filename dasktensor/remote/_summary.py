@@ -100,13 +100,14 @@ def cluster_summary(client=None) -> ClusterSummary:
     >>> import numpy as np
     >>> import dasktensor as dt
     >>> client = dt.connect(n_workers=2, processes=False, dashboard_address=False)
-    >>> model = dt.RemoteModel(lambda: np.sqrt, name="root", replicas=1)
+    >>> # one replica, on the worker named "1" (LocalCluster names its workers 0, 1...)
+    >>> model = dt.RemoteModel(lambda: np.sqrt, name="root", replicas=1, workers=["1"])
     >>> float(model.call(None, 16.0))
     4.0
     >>> print(dt.cluster_summary(client))  # doctest: +NORMALIZE_WHITESPACE
     worker  models held  calls answered
-    0       root         root: 1
-    1       -            -
+    0       -            -
+    1       root         root: 1
     >>> model.close()
     >>> client.shutdown()
     """
