@@ -40,6 +40,8 @@ from dasktensor._weights import is_heavy as is_heavy
 from dasktensor._weights import mark_heavy as mark_heavy
 from dasktensor.remote import RemoteModel as RemoteModel
 from dasktensor.remote import RemoteModelError as RemoteModelError
+from dasktensor.remote._summary import ClusterSummary as ClusterSummary
+from dasktensor.remote._summary import cluster_summary as cluster_summary
 
 try:
     __version__ = _version("dasktensor")
@@ -48,6 +50,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "ArraysToArraysOp",
+    "ClusterSummary",
     "DASK",
     "DaskFunction",
     "DaskLinker",
@@ -66,6 +69,7 @@ __all__ = [
     "annotate",
     "arrays_to_arrays_op",
     "calls_link",
+    "cluster_summary",
     "connect",
     "dask_mode",
     "function",

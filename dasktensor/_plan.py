@@ -64,7 +64,7 @@ from typing import Literal, TypeVar
 from pytensor.graph.basic import Apply, Constant, Variable
 from pytensor.graph.fg import FunctionGraph
 
-from dasktensor import _config
+from dasktensor import _config, _display
 from dasktensor._placement import Placement
 from dasktensor._weights import _HEAVY_TYPES as _HEAVY_TYPES
 from dasktensor._weights import Weight, dominant_label, is_remote, node_weight
@@ -176,6 +176,8 @@ class Plan:
         return self.describe()
 
     __repr__ = __str__
+    # Jupyter draws the plan (dasktensor._display); visualize writes the picture to a file
+    _repr_html_, _repr_svg_, visualize = _display.plan_html, _display.plan_svg, _display.visualize
 
 
 def plan_graph(

@@ -117,12 +117,14 @@ def op_label(op) -> str:
         name = type(core_op if core_op is not None else op).__name__
     name = _READABLE.get(str(name), str(name))
     words = re.findall(r"[a-z]+", re.sub(r"(?<=[a-z])(?=[A-Z])", " ", name).lower())
-    # key_split drops an 8-letter word that starts with a-f (it takes it for a hex token)
-    words = [w + "-op" if len(w) == 8 and w[0] in "abcdef" else w for w in words]
+    # key_split stops at an 8-letter word that starts with a-f (it takes it for a hex
+    # token) and drops the rest of the key: such a word is spelled out, or made longer
+    words = [_WORDS.get(w) or (w + "op" if len(w) == 8 and w[0] in "abcdef" else w) for w in words]
     return "-".join(words) or "op"
 
 
 _READABLE = {"Elemwise": "elementwise", "CAReduce": "reduce", "DimShuffle": "dimshuffle"}
+_WORDS = {"elemwise": "elementwise", "careduce": "reduce"}
 
 
 def dominant_label(nodes: Sequence[Apply]) -> str:

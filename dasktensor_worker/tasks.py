@@ -8,9 +8,9 @@ neither dasktensor nor PyTensor, so that building and finding a model costs a ba
 * :func:`build_replica`: the body of a model's build task (``build-<name>`` on the
   dashboard); it adds the :class:`~dasktensor_worker.plugin.ModelHost` plugin to its
   worker if needed.
-* :func:`endpoint`, :func:`holds`, :func:`build_count`, :func:`release`: run on the
-  workers with ``client.run`` (discovery and the call servers' addresses,
-  ``RemoteModel.build_counts``, ``RemoteModel.close``).
+* :func:`endpoint`, :func:`holds`, :func:`build_count`, :func:`release`, :func:`summary`:
+  run on the workers with ``client.run`` (discovery and the call servers' addresses,
+  ``RemoteModel.build_counts``, ``RemoteModel.close``, ``dt.cluster_summary``).
 * :func:`next_number`: run on the scheduler with ``client.run_on_scheduler``; the numbers
   that spread calls over replicas (see ``dasktensor.remote._policy``).
 
@@ -63,6 +63,20 @@ def release(key: str, dask_worker=None) -> bool:
     """``client.run``: drop model ``key`` from this worker; whether it was held."""
     host = _host(dask_worker)
     return host is not None and host.release(key)
+
+
+def summary(dask_worker=None) -> dict:
+    """``client.run``: the models this worker holds and the calls it answered so far.
+
+    ``{"models": {key: name}, "builds": {key: count}, "calls": {name: [calls, errors,
+    seconds]}}``; calls are counted by model name, as the calls page counts them.
+    """
+    host = _host(dask_worker)
+    if host is None:
+        return {"models": {}, "builds": {}, "calls": {}}
+    models = {key: replica.name for key, replica in dict(host.replicas).items()}
+    totals = host.calls.since(float("inf"))["totals"]  # no records: only the totals
+    return {"models": models, "builds": dict(host.builds), "calls": totals}
 
 
 def next_number(kind: str, key: str | None, dask_scheduler=None) -> int:

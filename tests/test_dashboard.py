@@ -1,9 +1,7 @@
 """The dashboard reads like the model: headless Chromium renders the task stream of a job.
 
-Debian's Chromium (``apt-get install chromium``, which ``.ci/run`` does) is driven through
-its DevTools protocol over a websocket, with tornado's client (distributed depends on
-tornado), so the test needs no browser driver package.  It skips only when the chromium
-binary is absent.
+Debian's Chromium is driven through its DevTools protocol (``_browser.py``); the test
+skips only when the chromium binary is absent.
 
 The screenshot is kept as a test artifact under pytest's ``tmp_path``, and copied to
 ``$DASKTENSOR_SCREENSHOT_DIR/dashboard.png`` when that variable is set (how
@@ -16,12 +14,8 @@ import asyncio
 import base64
 import contextlib
 import functools
-import json
 import os
 import shutil
-import signal
-import subprocess
-import tempfile
 import threading
 import time
 
@@ -29,21 +23,11 @@ import dask
 import numpy as np
 import pytensor.tensor as pt
 import pytest
+from _browser import CHROMIUM, DevTools, headless_chromium
 from _ops import Scale
 
 import dasktensor as dt
 
-CHROMIUM = shutil.which("chromium") or (
-    "/usr/bin/chromium" if os.access("/usr/bin/chromium", os.X_OK) else None
-)
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-]
 WIDTH, HEIGHT = 1280, 720
 
 # The names in the task stream, read from the page's Bokeh document: the ColumnDataSource
@@ -113,102 +97,13 @@ VISIBLE_TEXT_JS = r"""
 NEXT_FRAME_JS = "new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)))"
 
 
-class DevTools:
-    """A minimal client of Chromium's DevTools protocol, on one browser websocket."""
-
-    def __init__(self, ws):
-        self.ws = ws
-        self.n = 0
-
-    async def send(self, method: str, session: str | None = None, **params):
-        self.n += 1
-        message = {"id": self.n, "method": method, "params": params}
-        if session is not None:
-            message["sessionId"] = session
-        await self.ws.write_message(json.dumps(message))
-        while True:  # events (no domain is enabled, so few) are skipped
-            raw = await self.ws.read_message()
-            if raw is None:
-                raise ConnectionError(f"Chromium closed the DevTools connection ({method})")
-            reply = json.loads(raw)
-            if reply.get("id") == self.n:
-                break
-        if "error" in reply:
-            raise RuntimeError(f"DevTools {method}: {reply['error']}")
-        return reply["result"]
-
-    async def evaluate(self, session: str, expression: str):
-        result = await self.send(
-            "Runtime.evaluate",
-            session,
-            expression=expression,
-            returnByValue=True,
-            awaitPromise=True,
-        )
-        if "exceptionDetails" in result:
-            details = result["exceptionDetails"]
-            raise RuntimeError(f"JavaScript error: {details.get('exception', details)}")
-        return result["result"].get("value")
-
-
 @pytest.fixture
 def chromium(tmp_path):
     """Headless Chromium with DevTools on a free loopback port: its browser websocket URL."""
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (Debian: apt-get install chromium; see .ci/run)")
-    profile = tempfile.mkdtemp(prefix="dasktensor-chromium-")
-    log_path = tmp_path / "chromium.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [
-                CHROMIUM,
-                *CHROMIUM_FLAGS,
-                "--remote-debugging-address=127.0.0.1",
-                "--remote-debugging-port=0",
-                f"--user-data-dir={profile}",
-                f"--window-size={WIDTH},{HEIGHT}",
-            ],
-            # crash reports ($XDG_CONFIG_HOME) and shared memory files ($TMPDIR, as Debian's
-            # launcher passes --disable-dev-shm-usage when /dev/shm is small) go to the profile
-            env={
-                **os.environ,
-                "XDG_CONFIG_HOME": profile,
-                "XDG_CACHE_HOME": profile,
-                "TMPDIR": profile,
-            },
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            start_new_session=True,  # its own process group: renderers are ended with it
-        )
-    try:
-        # Chromium writes the port it chose and the browser's path to DevToolsActivePort
-        port_file = os.path.join(profile, "DevToolsActivePort")
-        deadline = time.monotonic() + 30
-        lines: list[str] = []
-        while len(lines) < 2:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"Chromium did not open DevTools (exit code {process.poll()}): "
-                    + log_path.read_text(errors="replace")[-2000:]
-                )
-            time.sleep(0.05)
-            if os.path.exists(port_file):
-                with open(port_file) as f:
-                    lines = f.read().split()
-        yield f"ws://127.0.0.1:{lines[0]}{lines[1]}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        try:  # any child left in the process group that Chromium led
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        shutil.rmtree(profile, ignore_errors=True)
+    with headless_chromium(tmp_path / "chromium.log", WIDTH, HEIGHT) as url:
+        yield url
 
 
 @pytest.fixture

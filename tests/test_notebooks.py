@@ -1,9 +1,17 @@
-"""The notebooks in ``notebooks/`` run from top to bottom in a kernel of this interpreter.
+"""The notebooks in ``notebooks/``: stored executed, and run from top to bottom here.
 
-Each notebook is executed with nbclient in a fresh IPython kernel.  The kernel is started
-from a kernel spec written for this test into a temporary directory, whose command is
-``sys.executable``: a ``python3`` kernel spec found elsewhere (in ``~/.local/share/jupyter``
-for instance) may run another interpreter, without the dasktensor under test.
+The notebooks are stored with their outputs (``python notebooks/execute.py`` executes and
+stores them), so that a reader browsing the repository sees results.  Checks on the stored
+files: each holds the hash of the code cells it was executed from (a notebook whose code
+changed since is stale), its outputs stay within a size budget, and they show nothing of
+the machine that ran them (addresses with ports, paths) that a reader would copy.
+
+Each notebook is also executed with nbclient in a fresh IPython kernel, on each supported
+line.  The kernel is started from a kernel spec written for this test into a temporary
+directory, whose command is ``sys.executable``: a ``python3`` kernel spec found elsewhere
+(in ``~/.local/share/jupyter`` for instance) may run another interpreter, without the
+dasktensor under test.  The cells that show figures or HTML in the stored notebook must
+show as many when run here (a plot that stops drawing on one line fails).
 
 A notebook starts its own cluster and shuts it down in its last cell: when the last cell
 has run, the kernel must have no child processes left (worker processes still running
@@ -13,6 +21,8 @@ session may remain.
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import os
 import re
 import sys
@@ -32,6 +42,18 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT = 120  # seconds, per cell
 KERNEL_NAME = "dasktensor-test"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+RICH = ("image/png", "image/svg+xml", "text/html")
+
+
+def _load_execute():
+    """``notebooks/execute.py``, which stores the notebooks and says what a stored one must be."""
+    spec = importlib.util.spec_from_file_location("notebooks_execute", NOTEBOOK_DIR / "execute.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+execute = _load_execute()
 
 
 @pytest.fixture(scope="module")
@@ -164,17 +186,62 @@ def _kill_session(sid: int | None) -> list[str]:
     return names
 
 
-def test_notebooks_are_stored_without_outputs():
+def _rich_outputs(nb) -> dict[int, tuple[int, ...]]:
+    """Per code cell whose outputs are stored, how many figures and HTML outputs it shows."""
+    shown = {}
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or execute.REMOVE_OUTPUT in cell.metadata.get("tags", []):
+            continue
+        data = [o.get("data", {}) for o in cell.outputs]
+        shown[i] = tuple(sum(kind in d for d in data) for kind in RICH)
+    return shown
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_stored_notebook_was_executed_from_its_current_code(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    reason = execute.staleness(nb)
+    assert reason is None, (
+        f"{path.name} is stale: {reason}; store it executed with "
+        f"`python notebooks/execute.py {path.name}`"
+    )
+    assert any(sum(counts) for counts in _rich_outputs(nb).values()), "no figure stored"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_stored_outputs_are_small_and_show_nothing_of_the_machine(path):
+    problems = execute.output_problems(nbformat.read(path, as_version=4))
+    assert not problems, f"{path.name}:\n" + "\n".join(problems)
+
+
+def test_the_stored_notebook_checks_catch_what_they_are_for():
     assert NOTEBOOKS, f"no notebooks in {NOTEBOOK_DIR}"
-    for path in NOTEBOOKS:
-        nb = nbformat.read(path, as_version=4)
-        nbformat.validate(nb)
-        for i, cell in enumerate(nb.cells):
-            if cell.cell_type == "code":
-                assert not cell.outputs and cell.execution_count is None, (
-                    f"{path.name}, cell {i}: outputs are stored; strip them "
-                    "(e.g. `jupyter nbconvert --clear-output --inplace`)"
-                )
+    nb = nbformat.read(NOTEBOOKS[0], as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+
+    edited = copy.deepcopy(nb)
+    next(c for c in edited.cells if c.cell_type == "code").source += "\nprint(1)"
+    assert "code cells changed" in execute.staleness(edited)
+    unrecorded = copy.deepcopy(nb)
+    del unrecorded.metadata["dasktensor"]
+    assert "no record" in execute.staleness(unrecorded)
+    rerun = copy.deepcopy(nb)
+    next(c for c in rerun.cells if c.cell_type == "code").execution_count = len(code) + 1
+    assert "not run once each" in execute.staleness(rerun)
+
+    leaky = copy.deepcopy(nb)
+    cell = next(c for c in leaky.cells if c.cell_type == "code")
+    for text in ["dashboard: http://127.0.0.1:8787/status", "tcp://10.0.0.5", "/tmp/x.zarr"]:
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
+        assert any("of this machine" in p for p in execute.output_problems(leaky)), text
+    cell.outputs = [nbformat.v4.new_output("error", ename="ValueError", evalue="no", traceback=[])]
+    assert any("stores an error" in p for p in execute.output_problems(leaky))
+    big = "A" * (execute.FIGURE_BUDGET + 1)
+    cell.outputs = [nbformat.v4.new_output("display_data", data={"image/png": big})]
+    assert any("a figure of" in p for p in execute.output_problems(leaky))
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="x" * execute.BUDGET)]
+    assert any("budget" in p for p in execute.output_problems(leaky))
 
 
 @pytest.mark.slow
@@ -194,6 +261,7 @@ def test_kernel_runs_this_interpreter(kernel_dir, tmp_path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, kernel_dir, tmp_path):
     nb = nbformat.read(path, as_version=4)
+    stored = _rich_outputs(nb)
     start = time.perf_counter()
     error, cell, leftover, sid = _run(nb, kernel_dir, tmp_path)
     seconds = time.perf_counter() - start
@@ -209,3 +277,9 @@ def test_notebook_runs(path, kernel_dir, tmp_path):
         f"there): {leftover}"
     )
     assert not stray, f"{path.name}: processes left after the kernel stopped: {stray}"
+    shown = _rich_outputs(nb)
+    differ = {i: (stored[i], shown[i]) for i in stored if stored[i] != shown[i]}
+    assert not differ, (
+        f"{path.name}: cells show other figures/HTML ({', '.join(RICH)}) than stored "
+        f"(cell: (stored, now)): {differ}"
+    )

@@ -126,6 +126,22 @@ def test_op_label_uses_letters_only():
     assert op_label(Scale()) == "scale-heavy"
 
 
+@pytest.mark.parametrize(
+    "name, label",
+    [
+        ("FusedElemwise", "fused-elementwise"),  # PyTensor 3's stage names
+        ("ScalarCAReduce", "scalar-reduce"),
+        ("ScalarizedElemwise", "scalarized-elementwise"),
+        ("deadbeef model", "deadbeefop-model"),
+        ("abcdefghi", "abcdefghi"),  # 9 letters: not taken for a token
+    ],
+)
+def test_op_label_survives_key_split(name, label):
+    op = type("Named", (), {"dasktensor_name": name})()
+    assert op_label(op) == label
+    assert key_split(f"stage-{label}-3-0123456789abcdef0123456789abcdef") == f"stage-{label}"
+
+
 def test_mark_heavy_registers_third_party_ops():
     from pytensor.tensor.math import Argmax
 

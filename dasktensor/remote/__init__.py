@@ -20,7 +20,9 @@ The caller's side, by concern (each module's docstring argues its part):
 * :mod:`~dasktensor.remote._calls`: one call's request, reply, retries and failover, and
   :func:`~dasktensor.remote._calls.call_many` for calls sent together;
 * :mod:`~dasktensor.remote._target`: :class:`RemoteMethod`, a model's method as the
-  function of a callable Op (a ``dasktensor._callable_ops.RemoteCallTarget``).
+  function of a callable Op (a ``dasktensor._callable_ops.RemoteCallTarget``);
+* :mod:`~dasktensor.remote._summary`: what the workers hold and answered
+  (``dt.cluster_summary``, and a ``RemoteModel``'s view in Jupyter).
 
 The worker's side (the plugin holding replicas, the call server and its messages, the
 build task) is the top-level package ``dasktensor_worker``, which imports neither

@@ -22,6 +22,7 @@ from dasktensor._placement import Placement, check_name
 from dasktensor.remote._calls import call
 from dasktensor.remote._replicas import build_counts, holders, release, replica_set
 from dasktensor.remote._spec import ModelSpec
+from dasktensor.remote._summary import cluster_summary, model_html
 from dasktensor.remote._target import RemoteMethod
 
 
@@ -143,6 +144,9 @@ class RemoteModel:
 
     def __repr__(self) -> str:
         return repr(self._spec)
+
+    def _repr_html_(self) -> str:  # Jupyter: options, workers holding replicas, calls so far
+        return model_html(self, lambda: cluster_summary(self._spec.client()))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, RemoteModel) and other.key == self.key
