@@ -26,6 +26,7 @@ from dasktensor._function import function as function
 from dasktensor._linker import DASK as DASK
 from dasktensor._linker import DaskLinker as DaskLinker
 from dasktensor._linker import dask_mode as dask_mode
+from dasktensor._loglik import compute_log_likelihood as compute_log_likelihood
 from dasktensor._parallel_calls import ParallelCallsOp as ParallelCallsOp
 from dasktensor._placement import Placement as Placement
 from dasktensor._plan import Plan as Plan
@@ -69,6 +70,7 @@ __all__ = [
     "annotate",
     "arrays_to_arrays_op",
     "calls_link",
+    "compute_log_likelihood",
     "cluster_summary",
     "connect",
     "dask_mode",

@@ -20,14 +20,22 @@ Python loop.  Here the same function is obtained from PyMC itself, then vectoris
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from collections.abc import Sequence
 
 from pytensor.graph.basic import equal_computations
 
-from dasktensor._chunks import _as_dask, _split, auto_chunk, compute_arrays, map_blocks
+from dasktensor._chunks import map_blocks
+from dasktensor._idata import (
+    bytes_per_draw,
+    compute_dataset,
+    first_draw,
+    groups,
+    lazy_dataset,
+    replace_group,
+    sample_chunks,
+)
 from dasktensor._vectorize import Vectorized
 
 _capture_lock = threading.Lock()
@@ -102,43 +110,6 @@ def _vectorized(model, inputs: list, outputs: list):
     return vec, vec.fixed_values()
 
 
-def _groups(obj) -> dict:
-    """Name -> Dataset of the groups of an InferenceData or a DataTree (a Dataset is
-    taken as the posterior)."""
-    import xarray as xr
-
-    if isinstance(obj, xr.Dataset):
-        return {"posterior": obj}
-    if hasattr(obj, "children"):  # xarray.DataTree
-        return {name: node.to_dataset() for name, node in obj.children.items()}
-    return {name: obj[name] for name in obj.groups()}
-
-
-def _first_draw(idata):
-    """The trace with its posterior cut to chain 0, draw 0 (other groups unchanged)."""
-    posterior = _groups(idata)["posterior"]
-    small = posterior.isel(chain=[0], draw=[0])
-    if idata is posterior:
-        return small
-    if hasattr(idata, "children"):
-        out = idata.copy()
-        out["posterior"] = small
-        return out
-    import arviz as az
-
-    groups = _groups(idata)
-    groups["posterior"] = small
-    return az.InferenceData(**groups)
-
-
-def _sample_chunks(n_chains: int, n_draws: int, per_chunk: int):
-    """Chunks of the (chain, draw) axes holding about ``per_chunk`` draws each."""
-    if per_chunk >= n_draws:
-        chains = max(1, min(n_chains, per_chunk // n_draws))
-        return _split(n_chains, chains), (n_draws,)
-    return (1,) * n_chains, _split(n_draws, per_chunk)
-
-
 def sample_posterior_predictive(
     idata,
     model=None,
@@ -207,12 +178,11 @@ def sample_posterior_predictive(
     ((2, 50, 3), ((2,), (50,), (3,)))
     """
     import pymc as pm
-    import xarray as xr
 
     model = pm.modelcontext(model)
-    posterior = _groups(idata)["posterior"]
+    posterior = groups(idata)["posterior"]
     n_chains, n_draws = posterior.sizes["chain"], posterior.sizes["draw"]
-    small_result, fn = _forward_function(model, _first_draw(idata), var_names, predictions)
+    small_result, fn = _forward_function(model, first_draw(idata), var_names, predictions)
 
     inputs = [i.variable for i in fn.maker.inputs if not i.implicit]
     outputs = [o.variable for o in fn.maker.outputs]
@@ -226,59 +196,14 @@ def sample_posterior_predictive(
     values = [posterior[v.name].data for v in inputs]
 
     group = "predictions" if predictions else "posterior_predictive"
-    template = _groups(small_result)[group]
-    if chunks == "auto":
-        per_draw = sum(
-            template[o.name].dtype.itemsize * math.prod(template[o.name].shape[2:])
-            for o in outputs
-            if o.name in template
-        )
-        per_chunk = auto_chunk(n_chains * n_draws, per_draw)
-    elif isinstance(chunks, int) and chunks > 0:
-        per_chunk = chunks
-    else:
-        raise ValueError(
-            f"sample_posterior_predictive(chunks=...) expected 'auto' or an int > 0, "
-            f"got {chunks!r}"
-        )
-    sample_chunks = _sample_chunks(n_chains, n_draws, per_chunk)
-    arrays = map_blocks(vec, values, sample_chunks, random_seed, "predictive", fixed=fixed)
-    computed = dict(zip([o.name for o in outputs], arrays))
-
-    data_vars = {}
-    for name, var in template.data_vars.items():
-        if name in computed:
-            data = computed[name]
-        elif name in posterior:  # passed through from the trace, as PyMC does
-            value = posterior[name].data
-            data = _as_dask(value, sample_chunks + tuple((d,) for d in value.shape[2:]))
-        else:  # pragma: no cover - PyMC put something unexpected in its result
-            raise RuntimeError(f"dasktensor cannot compute {name!r} of PyMC's result")
-        coords = {k: c for k, c in var.coords.items() if k not in ("chain", "draw")}
-        coords.update(chain=posterior["chain"], draw=posterior["draw"])
-        data_vars[name] = xr.DataArray(data, dims=var.dims, coords=coords, attrs=var.attrs)
-    dataset = xr.Dataset(data_vars, attrs=template.attrs)
+    template = groups(small_result)[group]
+    names = [o.name for o in outputs]
+    chunked = sample_chunks("sample_posterior_predictive", n_chains, n_draws, chunks,
+                            bytes_per_draw(template, names))  # fmt: skip
+    arrays = map_blocks(vec, values, chunked, random_seed, "predictive", fixed=fixed)
+    dataset = lazy_dataset(template, dict(zip(names, arrays)), posterior, chunked)
     if compute:
-        dataset = _compute(dataset, client, progressbar)
-    return _replace_group(small_result, group, dataset)
+        dataset = compute_dataset(dataset, client, progressbar)
+    return replace_group(small_result, group, dataset)
 
 
-def _compute(dataset, client, progressbar: bool):
-    """The dataset with its Dask-backed variables computed into NumPy arrays."""
-    import dask.array as da
-
-    names = [n for n, v in dataset.data_vars.items() if isinstance(v.data, da.Array)]
-    values = compute_arrays([dataset[n].data for n in names], client, progressbar)
-    return dataset.assign({n: dataset[n].copy(data=v) for n, v in zip(names, values)})
-
-
-def _replace_group(result, group: str, dataset):
-    if hasattr(result, "children"):  # DataTree
-        out = result.copy()
-        out[group] = dataset
-        return out
-    import arviz as az
-
-    groups = _groups(result)
-    groups[group] = dataset
-    return az.InferenceData(**groups)

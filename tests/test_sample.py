@@ -102,8 +102,9 @@ def test_a_killed_worker_costs_a_segment_and_changes_no_draw(client, reference):
         if killed or draw.draw_idx != 25:
             return
         pids = client.run(os.getpid)
-        busy = [w for w, keys in client.processing().items() if any("chain_" in str(k) for k in keys)]
-        assert busy, client.processing()
+        running = client.processing()
+        busy = [w for w, keys in running.items() if any("chain_" in str(k) for k in keys)]
+        assert busy, running
         os.kill(pids[busy[0]], signal.SIGKILL)
         killed.append(pids[busy[0]])
 
@@ -176,9 +177,7 @@ def test_a_store_of_another_run_is_refused_and_left_as_it_was(client, tmp_path):
 
 
 def test_a_worker_that_joins_takes_segments(reference):
-    from distributed import Client
-
-    from distributed import get_task_stream
+    from distributed import Client, get_task_stream
 
     with _cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
         (first,) = client.run(os.getpid)
@@ -289,11 +288,10 @@ def test_chains_whose_likelihood_is_sharded_over_the_workers(monkeypatch):
         regression(),
     ):
         mode = dt.dask_mode(shards=2, scheduler=client)
-        got = dt.sample(**runs, client=client, checkpoint_every=10,
-                        compile_kwargs={"mode": mode}, compute_convergence_checks=False)  # fmt: skip
+        sharded = {"compile_kwargs": {"mode": mode}, "compute_convergence_checks": False}
+        got = dt.sample(**runs, client=client, checkpoint_every=10, **sharded)
         calls = channel_calls(client).get("shard", 0)
-        assert calls >= 2 * 2 * 30, calls  # 2 shards, every evaluation of 2 chains
-        expected = pm.sample(**runs, **PICKLED, compile_kwargs={"mode": mode},
-                             compute_convergence_checks=False)  # fmt: skip
+        assert calls >= 2 * 2 * 30, calls  # 2 shards, each evaluation of 2 chains
+        expected = pm.sample(**runs, **PICKLED, **sharded)
         assert channel_calls(client)["shard"] >= 2 * calls  # the reference is sharded too
     assert_same_draws(got, expected)
