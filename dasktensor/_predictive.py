@@ -79,6 +79,57 @@ def _forward_function(model, small, var_names, predictions):
     return result, captured[0]
 
 
+# PyMC's one-draw results and forward functions of recent calls, per model, by what
+# decides them: a warm call does not run PyMC at all
+_templates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _template(model, idata, var_names, predictions):
+    """PyMC's one-draw result and forward function for this call (see :func:`_decisive`):
+    from an earlier call when nothing that decides them changed, else PyMC's run."""
+    names, objects = _decisive(model, idata, var_names, predictions)
+    with _cache_lock:
+        for entry in _templates.get(model, []):
+            if entry[0] == names and all(a is b for a, b in zip(entry[1], objects)):
+                return entry[2], entry[3]
+    small_result, fn = _forward_function(model, first_draw(idata), var_names, predictions)
+    with _cache_lock:
+        entries = _templates.setdefault(model, [])
+        entries.append((names, objects, small_result, fn))
+        del entries[:-_CACHE_PER_MODEL]
+    return small_result, fn
+
+
+def _decisive(model, idata, var_names, predictions) -> tuple[tuple, tuple]:
+    """What decides PyMC's forward function and the structure of its result: names (by
+    equality) and objects (by identity).
+
+    PyMC samples the variables asked for or missing from the trace, and those depending
+    on data (``pm.Data``) whose values differ from the trace's ``constant_data``; dims and
+    coords come from the model.  So: the arguments, the posterior's variables (names,
+    dims, shapes, dtypes), the model's variables, coords and data values, and the trace's
+    constant data -- the values as objects (``pm.set_data`` puts new ones in place), kept
+    alive by the cache so that identity means the same values.
+    """
+    found = groups(idata)
+    posterior = found["posterior"]
+    names = (
+        tuple(var_names) if var_names is not None else None,
+        bool(predictions),
+        tuple((n, v.dims, v.shape[2:], v.dtype.str) for n, v in posterior.data_vars.items()),
+        tuple(model.named_vars),
+        tuple(model.coords),
+    )
+    constant = found.get("constant_data")
+    objects = (
+        *model.named_vars.values(),
+        *model.coords.values(),
+        *(v.get_value(borrow=True) for v in model.data_vars),
+        *((constant[n].data for n in constant.data_vars) if constant is not None else ()),
+    )
+    return names, objects
+
+
 # vectorised forward graphs of recent calls, per model: a later call whose forward graph
 # is the same computation (PyMC builds it anew each time) reuses the vectorised graph and
 # its compiled runner, here and on the workers
@@ -182,7 +233,7 @@ def sample_posterior_predictive(
     model = pm.modelcontext(model)
     posterior = groups(idata)["posterior"]
     n_chains, n_draws = posterior.sizes["chain"], posterior.sizes["draw"]
-    small_result, fn = _forward_function(model, first_draw(idata), var_names, predictions)
+    small_result, fn = _template(model, idata, var_names, predictions)
 
     inputs = [i.variable for i in fn.maker.inputs if not i.implicit]
     outputs = [o.variable for o in fn.maker.outputs]
