@@ -29,6 +29,8 @@ BENCHMARKS = {
     "p7": "bench_p7_zarr_memory",
     "p8": "bench_p8_pmap",
     "p9": "bench_p9_sharding",
+    "p10": "bench_p10_chains",
+    "p11": "bench_p11_loglik_zarr",
 }
 
 
