@@ -15,11 +15,10 @@ after them:
   segments of 7 and 50 draws), so the draws never depend on the number of workers, the
   segment sizes or faults.
 * **Compiled once per worker.**  The step method, compiled by PyMC on the caller, is
-  pickled once per run and reaches the workers as the result of one task (Dask moves it
-  to each worker once, and computes it again if the worker holding it is lost).  A worker
-  unpickles it -- compiling its functions -- once per run and thread, under the
-  process's and host's compile lock, and then every segment of every chain it runs
-  sets the chain's state into that step method.
+  pickled once per run and installed on every worker by a plugin
+  (:mod:`dasktensor._segments`); a worker unpickles it -- compiling its functions -- once
+  per run and thread, and every segment of every chain it runs sets the chain's state
+  into that step method.
 * **Segment sizes** follow ``checkpoint_every`` (draws), or by default
   ``dasktensor.sample.segment-seconds`` of sampling each, from the draw rate of the
   chain's last segment (a first segment of a few draws measures it).
@@ -35,134 +34,19 @@ methods, traces) and after it (``InferenceData``/``DataTree``, convergence check
 from __future__ import annotations
 
 import logging
-import os
-import pickle
-import threading
-import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-from dasktensor import _compat, _config
+from dasktensor import _config
 from dasktensor._cluster import carrying
+from dasktensor._segments import Start, StepMethod, aligned, forget, run_segment
 
 #: draws of a chain's first segment when its size follows time (it measures the rate)
 FIRST_SEGMENT = 10
 
 _log = logging.getLogger("dasktensor.sample")
-
-# ----------------------------------------------------------------------------- workers
-
-# compiled step methods on this worker, by run token: the idle ones (one per thread that
-# ran a segment at once), most recently used last
-_steps: OrderedDict[str, list] = OrderedDict()
-_steps_lock = threading.Lock()
-#: how many times each run's step method was unpickled (compiled) in this process
-_compiles: dict[str, int] = {}
-_RUNS_KEPT = 8
-
-
-def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
-    global _steps_lock
-    _steps_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
-
-
-def _checkout(token: str, template: bytes):
-    """An idle compiled step method of run ``token``, or a new one from ``template``."""
-    from dasktensor._runners import compiling
-
-    with _steps_lock:
-        idle = _steps.get(token)
-        if idle:
-            return idle.pop()
-    with compiling():
-        step = pickle.loads(template)
-    with _steps_lock:
-        _compiles[token] = _compiles.get(token, 0) + 1
-        _steps.setdefault(token, [])
-        _steps.move_to_end(token)
-        while len(_steps) > _RUNS_KEPT:  # runs whose caller never said it ended
-            gone, _ = _steps.popitem(last=False)
-            _compiles.pop(gone, None)
-    return step
-
-
-def _checkin(token: str, step) -> None:
-    with _steps_lock:
-        if token in _steps:  # a run that ended meanwhile: the step method goes
-            _steps[token].append(step)
-
-
-def forget(token: str) -> int:
-    """Drop run ``token``'s compiled step methods from this process; how many it had
-    compiled (run on every worker when the run ends)."""
-    with _steps_lock:
-        _steps.pop(token, None)
-        return _compiles.pop(token, 0)
-
-
-def compiles(token: str) -> int:
-    """How many times this process compiled run ``token``'s step method so far."""
-    with _steps_lock:
-        return _compiles.get(token, 0)
-
-
-@dataclass
-class Start:
-    """Where a segment starts: a chain's state, or its beginning (``rng`` set)."""
-
-    state: object
-    point: dict
-    #: the chain's random generator, for a chain's first segment (else None)
-    rng: object = None
-
-
-def run_segment(template: bytes, token: str, start: Start, first: int, last: int,
-                tune: int, length: int) -> dict:  # fmt: skip
-    """On a worker: draws ``[first, last)`` of a chain from ``start``, as PyMC's
-    ``_iter_sample`` makes them; the points, sampler statistics and state after them."""
-    step = _checkout(token, template)
-    try:
-        step.sampling_state = start.state
-        if start.rng is not None:  # the chain's beginning, as pm.sample sets it up
-            _compat.setup_chain(step, start.rng, tune, length - tune)
-            step.tune = bool(tune)
-            if hasattr(step, "reset_tuning"):
-                step.reset_tuning()
-        point, points, stats = _aligned(start.point), [], []
-        began = time.perf_counter()
-        for i in range(first, last):
-            if i == 0 and hasattr(step, "iter_count"):
-                step.iter_count = 0
-            if i == tune:
-                step.stop_tuning()
-            point, draw_stats = step.step(point)
-            points.append(point)
-            stats.append(draw_stats)
-        seconds = time.perf_counter() - began
-        stacked = {name: np.stack([p[name] for p in points]) for name in point}
-        return {"points": stacked, "stats": stats, "state": step.sampling_state,
-                "point": point, "seconds": seconds}  # fmt: skip
-    finally:
-        _checkin(token, step)
-
-
-def _identity(value):
-    return value
-
-
-def _aligned(arrays: dict) -> dict:
-    """Arrays as compiled functions take them: arrays that arrive in a network frame may
-    be unaligned."""
-    return {name: np.require(a, requirements=["A"]) for name, a in arrays.items()}
-
-
-# ----------------------------------------------------------------------------- caller
 
 
 @dataclass
@@ -215,11 +99,9 @@ class ChainRunner:
             store = self.open_store(layout, chains, draws)
         initial = step.sampling_state
         runs = [_Chain(c, 0, Start(initial, start[c], rngs[c])) for c in range(chains)]
-        payload = _cloudpickled(step)  # compiled functions travel as graphs
-        with carrying(len(payload)):
-            template = self.client.submit(
-                _identity, payload, key=f"step-method-{self.token}", pure=False
-            )
+        plugin = StepMethod(self.token, _cloudpickled(step))  # functions travel as graphs
+        with carrying(len(plugin.payload)):
+            self.client.register_plugin(plugin)
         recorder = _Recorder(traces, tune, draws, progress, callback, store)
         try:
             with progress:
@@ -230,12 +112,12 @@ class ChainRunner:
                         "Continuing %s: %s draws of each chain were stored",
                         store.path, [r.done for r in runs],
                     )  # fmt: skip
-                self._run(runs, template, tune, draws, recorder)
+                self._run(runs, tune, draws, recorder)
         finally:
-            template.release()
             try:
                 compiled = self.client.run(forget, self.token, on_error="return")
                 self.compiled = {a: n for a, n in compiled.items() if isinstance(n, int) and n}
+                self.client.unregister_worker_plugin(plugin.name)
             except Exception:  # the cluster is gone: nothing to release
                 pass
         _log.info(
@@ -244,7 +126,7 @@ class ChainRunner:
             ", ".join(f"{n}x on {a}" for a, n in sorted(self.compiled.items())) or "nowhere",
         )  # fmt: skip
 
-    def _run(self, runs, template, tune: int, length: int, recorder) -> None:
+    def _run(self, runs, tune: int, length: int, recorder) -> None:
         from distributed import as_completed
 
         pending = {}
@@ -252,7 +134,7 @@ class ChainRunner:
         def submit(run: _Chain):
             last = min(length, run.done + self._size(run))
             future = self.client.submit(
-                run_segment, template, self.token, run.start, run.done, last, tune, length,
+                run_segment, self.token, run.start, run.done, last, tune, length,
                 key=f"chain_{run.index}-{uuid.uuid4().hex}", pure=False,
             )  # fmt: skip
             pending[future] = (run, last)
@@ -320,7 +202,7 @@ class _Recorder:
         from pymc.sampling.parallel import Draw
 
         trace, chain = self.traces[run.index], run.index
-        points = _aligned(points)
+        points = aligned(points)
         for k, draw_stats in enumerate(stats):
             i = first + k
             point = {name: values[k, ...] for name, values in points.items()}

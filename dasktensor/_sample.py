@@ -28,7 +28,6 @@ import threading
 
 import numpy as np
 
-from dasktensor._chains import ChainRunner
 from dasktensor._cluster import default_client, is_client, scheduler_workers
 
 #: pm.sample arguments that say how to run chains in processes of this machine
@@ -128,6 +127,8 @@ progressbar, model
     if store is not None:
         identity = _identity(model, random_seed, draws, tune, init, initvals, kwargs)
         open_store = _store_opener(store, identity, resume)
+    from dasktensor._chains import ChainRunner  # (imports distributed)
+
     runner = ChainRunner(client, every, open_store)
     with _chains_run_by(runner, client, chains):
         return pm.sample(
@@ -266,7 +267,7 @@ _patched = {"count": 0, "originals": None}
 
 
 @contextlib.contextmanager
-def _chains_run_by(runner: ChainRunner, client, chains: int):
+def _chains_run_by(runner, client, chains: int):
     """While ``pm.sample`` runs in this thread: its chains run by ``runner``.
 
     Other threads' ``pm.sample`` calls are left alone: the replaced functions dispatch
