@@ -21,9 +21,11 @@ Timed warm (every variant called before timing), in interleaved rounds (``compar
 * the floor: NumPy drawing the same normals in one call on one core,
   ``rng.normal(loc=a[:, None] + b[:, None] * x, scale=sigma[:, None])``.
 
-Targets: dt / NumPyro <= 1.0 and dt / NumPy floor <= 1.5.  The same ratios are reported for
-a job 100x larger (100,000 observations: 400 million draws, 3.2 GB per result), where
-each variant is sampled fewer times (PyMC fewest); there every call is timed on its own,
+Targets: dt / NumPyro <= 1.0 and dt / NumPy floor <= 1.5; the latter also for a small job (4
+chains x 250 draws x 1,000 observations), where a call's fixed cost counts most.  The same
+ratios are reported for a job 100x larger (100,000 observations: 400 million draws, 3.2
+GB per result), where each variant is sampled fewer times (PyMC fewest); there every call
+is timed on its own,
 with the previous result freed and garbage collected outside the timed region.  There the
 results' memory counts: each variant allocates and first touches GBs (dt: the chunks, then
 the assembled result; the floor: two temporaries of the result's size), which on a VM
@@ -51,6 +53,7 @@ from _common import Row, compare, fmt_time, load_row, print_rows, print_table, q
 NAME = "p6-predictive"
 CHAINS = 4
 DRAWS = 1000
+SMALL_DRAWS = 250
 N_OBS = 1000
 N_OBS_LARGE = 100_000
 
@@ -64,12 +67,12 @@ FLOOR = "numpy floor (1 core)"
 # ----------------------------------------------------------------------------- posterior
 
 
-def posterior_draws(seed: int = 1):
+def posterior_draws(seed: int = 1, draws: int = DRAWS):
     """Draws of a, b, sigma, each of shape (chains, draws), near a=1, b=2, sigma=1."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    shape = (CHAINS, DRAWS)
+    shape = (CHAINS, draws)
     return {
         "a": rng.normal(1.0, 0.05, shape),
         "b": rng.normal(2.0, 0.05, shape),
@@ -190,9 +193,10 @@ def variants(draws, n_obs: int, numpyro: bool):
                 )
             )["y"]
         )
-        assert y.shape == (CHAINS, DRAWS, n_obs), y.shape
+        n_draws = draws["a"].shape[1]
+        assert y.shape == (CHAINS, n_draws, n_obs), y.shape
         flat = y.reshape(-1, n_obs)
-        for i in (0, 1234, CHAINS * DRAWS - 1):  # draws around the posterior's a + b x
+        for i in (0, 123, CHAINS * n_draws - 1):  # draws around the posterior's a + b x
             z = (flat[i] - (a[i] + b[i] * x)) / sigma[i]
             assert abs(z.mean()) < 5 / np.sqrt(n_obs) and abs(z.std() - 1) < 0.2, (i, z)
 
@@ -272,6 +276,15 @@ def main(repeat: int = 11, large: bool = True, large_repeat: int = 5) -> list[Ro
     print(f"[{NAME}] dt's fixed cost per call (one-draw trace): {fmt_time(fixed)}")
     rows = rows_of(times, f"{N_OBS // 1000}k obs", why)
     rows.append(Row(NAME, "dt fixed cost per call (1 draw)", fixed, unit="s"))
+
+    # --- a small job, where the fixed cost of a call counts most: 4 x 250 draws
+    small, check, _ = variants(posterior_draws(draws=SMALL_DRAWS), N_OBS, numpyro=False)
+    check()
+    times = compare({k: small[k] for k in (DT, FLOOR)}, repeat=repeat, warmup=2)
+    report_small = f"[{NAME}] {CHAINS} x {SMALL_DRAWS} draws x {N_OBS} obs, median of {repeat}"
+    print(f"{report_small}: dt {fmt_time(times[DT])}, numpy floor {fmt_time(times[FLOOR])}")
+    rows.append(Row(NAME, f"dt/numpy-floor small job ({CHAINS} x {SMALL_DRAWS} draws)",
+                    times[DT] / times[FLOOR], 1.5))  # fmt: skip
 
     # --- 100x larger: 100,000 observations, 3.2 GB per result
     if large:
