@@ -99,11 +99,9 @@ def main(rounds: int = 3, draws: int = 500, tune: int = 500) -> list[Row]:
             recorded[0] += 1
             if killed or recorded[0] < half:
                 return
-            running = client.processing()
-            busy = [w for w, keys in running.items() if any("chain_" in str(k) for k in keys)]
-            if busy:
-                pid = client.run(os.getpid, workers=[busy[0]])[busy[0]]
-                os.kill(pid, signal.SIGKILL)
+            running = [pid for pid in client.run(_executing_segment).values() if pid]
+            if running:  # a worker running a segment now (not one queued there)
+                os.kill(running[0], signal.SIGKILL)
                 killed.append(time.perf_counter())
 
         t0 = time.perf_counter()
@@ -131,6 +129,12 @@ def main(rounds: int = 3, draws: int = 500, tune: int = 500) -> list[Row]:
     rows.append(load_row(NAME))
     print_rows(rows, title=f"[{NAME}] summary ({rounds} rounds, {tune} + {draws} draws)")
     return rows
+
+
+def _executing_segment(dask_worker=None):
+    """This worker's process id if it runs a chain's segment now, else None."""
+    keys = [ts.key for ts in dask_worker.state.executing]
+    return os.getpid() if any("chain_" in str(k) for k in keys) else None
 
 
 def _restart_time(client) -> float:

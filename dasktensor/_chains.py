@@ -46,7 +46,13 @@ from dasktensor._segments import Start, StepMethod, aligned, forget, run_segment
 #: draws of a chain's first segment when its size follows time (it measures the rate)
 FIRST_SEGMENT = 10
 
+# what a run did, shown as PyMC shows its own messages: at INFO, on stderr, unless the
+# application configured logging itself
 _log = logging.getLogger("dasktensor.sample")
+if not logging.root.handlers:
+    _log.setLevel(logging.INFO)
+    if not _log.handlers:
+        _log.addHandler(logging.StreamHandler())
 
 
 @dataclass
@@ -110,7 +116,7 @@ class ChainRunner:
                         self.resumed += recorder.restore(run)
                     _log.info(
                         "Continuing %s: %s draws of each chain were stored",
-                        store.path, [r.done for r in runs],
+                        store.path.name, [r.done for r in runs],
                     )  # fmt: skip
                 self._run(runs, tune, draws, recorder)
         finally:
@@ -121,9 +127,9 @@ class ChainRunner:
             except Exception:  # the cluster is gone: nothing to release
                 pass
         _log.info(
-            "Sampled %d chains in %d segments; the step method was compiled %s",
-            chains, self.segments,
-            ", ".join(f"{n}x on {a}" for a, n in sorted(self.compiled.items())) or "nowhere",
+            "Sampled %d chains in %d segments; the step method was compiled %d time(s) on "
+            "%d worker(s)", chains, self.segments, sum(self.compiled.values()),
+            len(self.compiled),
         )  # fmt: skip
 
     def _run(self, runs, tune: int, length: int, recorder) -> None:

@@ -329,9 +329,6 @@ class _Where(logging.Filter):
             "Sequential sampling"
         ):
             workers = len(scheduler_workers(self.client))
-            record.msg = (
-                f"Sampling {self.chains} chains in segments on the Dask cluster at "
-                f"{self.client.scheduler.address} ({workers} workers)"
-            )
+            record.msg = f"Sampling {self.chains} chains in segments on {workers} Dask worker(s)"
             record.args = ()
         return True

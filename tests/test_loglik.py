@@ -67,8 +67,8 @@ def test_new_data_is_read_at_call_time():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bigger_than_memory_log_likelihood_streams_to_zarr(tmp_path):
-    """Workers with 650 MiB each (PyMC imported: ~400) write a 2.9 GB log-likelihood; spot checks against
-    scipy's normal log-density; every worker's memory stays under its limit."""
+    """Workers with 650 MiB each (PyMC imported: ~400) write a 2.9 GB log-likelihood; spot
+    checks against scipy's normal log-density; every worker's memory stays under its limit."""
     import xarray as xr
     from conftest import _cluster
     from distributed import Client
