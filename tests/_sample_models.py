@@ -93,3 +93,25 @@ def regression(rows: int = 4000):
         s = pm.HalfNormal("s", 1)
         pm.Normal("y", X @ b, s, observed=y)
     return model
+
+
+def refusing_after(marker: str):
+    """A model whose log-density raises FloatingPointError once the file ``marker`` exists
+    (in whichever process evaluates it: the workers, for dt.sample)."""
+    import os
+
+    import pymc as pm
+    import pytensor.tensor as pt
+
+    import dasktensor as dt
+
+    @dt.logp_op(itypes=[pt.dscalar], name="refusing")
+    def refusing(mu):
+        if os.path.exists(marker):
+            raise FloatingPointError(f"the model refuses mu={float(mu):.3f}")
+        return -0.5 * float(mu) ** 2
+
+    with pm.Model() as model:
+        mu = pm.Normal("mu", 0, 1)
+        pm.Potential("refusing", refusing(mu))
+    return model

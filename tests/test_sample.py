@@ -301,3 +301,25 @@ def test_chains_whose_likelihood_is_sharded_over_the_workers(monkeypatch):
         expected = pm.sample(**runs, **PICKLED, **sharded)
         assert channel_calls(client)["shard"] >= 2 * calls  # the reference is sharded too
     assert_same_draws(got, expected)
+
+
+def test_a_models_error_on_a_worker_reaches_the_caller_with_its_type(client, tmp_path):
+    """The log-density raises on the workers from the second segment on: dt.sample raises
+    that exception (type, message, the worker's traceback), and nothing keeps running."""
+    import traceback
+
+    from _sample_models import refusing_after
+
+    marker = tmp_path / "refuse"
+
+    def refuse_from_now_on(trace, draw):
+        marker.touch()
+
+    with refusing_after(str(marker)), pytest.raises(FloatingPointError, match="refuses mu=") as e:
+        dt.sample(**dict(RUN, chains=2), client=client, checkpoint_every=5,
+                  callback=refuse_from_now_on, step=pm.Metropolis())  # fmt: skip
+    assert "refusing" in "".join(traceback.format_tb(e.value.__traceback__))
+    deadline = time.monotonic() + 30
+    while any(client.processing().values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(client.processing().values())  # the other chain's segments were cancelled
