@@ -84,7 +84,6 @@ class ChainRunner:
         self.client, self.every, self.open_store = client, every, store
         self.token = uuid.uuid4().hex
         self.segments = 0  # segments run
-        self.resumed = 0  # draws read back from the store
         self.compiled: dict[str, int] = {}  # worker -> times it compiled the step method
 
     def __call__(self, *, draws, chains, traces, start, rngs, step, callback=None, **kwargs):
@@ -113,7 +112,7 @@ class ChainRunner:
             with progress:
                 if store is not None:
                     for run in runs:
-                        self.resumed += recorder.restore(run)
+                        recorder.restore(run)
                     _log.info(
                         "Continuing %s: %s draws of each chain were stored",
                         store.path.name, [r.done for r in runs],
@@ -184,15 +183,15 @@ class _Recorder:
         self.log_warning_stats = log_warning_stats
         self.finished: set[int] = set()
 
-    def restore(self, run: _Chain) -> int:
-        """Record the draws the store holds of ``run``; how many."""
+    def restore(self, run: _Chain) -> None:
+        """Record the draws the store holds of ``run`` (the callback sees them too), and
+        move the chain to the state after them."""
         checkpoint = self.store.checkpoint(run.index)
         if not checkpoint.done:
-            return 0
+            return
         points = self.store.points(run.index, checkpoint.done)
         self._record(run, 0, points, checkpoint.stats)
         run.done, run.start = checkpoint.done, Start(checkpoint.state, checkpoint.point)
-        return checkpoint.done
 
     def segment(self, run: _Chain, last: int, result: dict) -> None:
         """Record a finished segment, commit it to the store, move the chain on."""

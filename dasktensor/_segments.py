@@ -19,7 +19,6 @@ import os
 import pickle
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,10 +27,10 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from dasktensor import _compat
 
 # on a worker: each run's pickled step method (installed by its StepMethod plugin), and
-# the compiled step methods unpickled from it, idle ones (one per thread that ran a
-# segment at once) most recently used last
+# the idle compiled step methods unpickled from it (one per thread that ran a segment of
+# the run at once)
 _payloads: dict[str, bytes] = {}
-_steps: OrderedDict[str, list] = OrderedDict()
+_steps: dict[str, list] = {}
 _steps_lock = threading.Lock()
 #: how many times each run's step method was unpickled (compiled) in this process
 _compiles: dict[str, int] = {}
@@ -85,7 +84,6 @@ def _checkout(token: str):
         step = pickle.loads(payload)
     with _steps_lock:
         _compiles[token] = _compiles.get(token, 0) + 1
-        _steps.setdefault(token, [])
     return step
 
 
