@@ -113,7 +113,6 @@ def main(n_obs: int = N_OBS, chunks: int | str = "auto") -> list[Row]:
             failed += not np.allclose(written[c, d].values, want, rtol=1e-10)
 
     restarted = sorted(set(pids_before.values()) ^ set(pids_after.values()))
-    imported = max(w["ru_maxrss"] for w in workers.values())
     worker_peak = max(max(w["sampled"], w["monitor"]) for w in workers.values())
     print(f"[{NAME}] wrote {out.nbytes / MiB:.0f} MiB in {fmt_time(wall)}; client peak RSS "
           f"{client_sampled / MiB:.0f} MiB (life {max_rss() / MiB:.0f} MiB)")  # fmt: skip
@@ -123,7 +122,6 @@ def main(n_obs: int = N_OBS, chunks: int | str = "auto") -> list[Row]:
         Row(NAME, "write throughput (MiB/s)", round(out.nbytes / wall / MiB, 1)),
         Row(NAME, "max worker peak RSS / limit", round(worker_peak / limit, 3), 1.0),
         Row(NAME, "client process peak RSS (MiB)", round(client_sampled / MiB)),
-        Row(NAME, "worker ru_maxrss, life (MiB)", round(imported / MiB)),
         Row(NAME, "workers restarted", len(restarted) // 2, 0),
         Row(NAME, "spot checks failed", failed, 0),
         load_row(NAME),
