@@ -133,12 +133,12 @@ def points_for(f, n=3, scale=0.3):
     return [rng.normal(scale=scale, size=size) for _ in range(n)]
 
 
-def assert_same(f, ref, points):
+def assert_same(f, ref, points, rtol=RTOL):
     for q in points:
         got, want = f(q), ref(q)
         assert len(got) == len(want) == 2
         for g, w in zip(got, want):
-            np.testing.assert_allclose(g, w, rtol=RTOL, atol=1e-12)
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-12)
 
 
 def _shards_here(keys, dask_worker=None):
@@ -295,7 +295,9 @@ def test_models_that_are_not_sums_over_rows_say_why(client, make, why):
     text = str(f.maker.linker.plan)
     assert "not sharded:" in text and why in text, text
     assert f.maker.linker.sharded is None
-    assert_same(f, ref, points_for(f, 2, scale=0.1))
+    # The GP's Cholesky runs in a worker process whose BLAS has its own thread count:
+    # LAPACK's blocking then differs in the last digits (2.5e-10 measured on CI).
+    assert_same(f, ref, points_for(f, 2, scale=0.1), rtol=1e-8)
 
 
 def test_turned_off_and_without_a_client(client):

@@ -54,6 +54,9 @@ class ReplicaSet:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         self.lock = threading.Lock()
+        # One look-and-build at a time: a call's rebuild and a background refresh that
+        # both found a replica missing would otherwise build it twice.
+        self.building = threading.Lock()
         self.addresses: list[str] = []  # sorted: the same order in every process
         self.endpoints: dict[str, tuple] = {}  # address -> its call server (host, port, tls)
         self.number = 0  # the model's number on the cluster (see _number)
@@ -140,6 +143,10 @@ class ReplicaSet:
 
     def _find_or_build(self, client) -> dict[str, tuple]:
         """The replicas' workers and their call servers, ``{address: endpoint}``."""
+        with self.building:
+            return self._find_or_build_alone(client)
+
+    def _find_or_build_alone(self, client) -> dict[str, tuple]:
         spec = self.spec
         if spec.resources:
             check_resources(client, [Placement(resources=spec.resources)])
