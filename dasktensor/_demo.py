@@ -36,6 +36,37 @@ class Site:
         return logp, grad
 
 
+def ideal_speedup(models: int, chains: int, cores: int, workers: int, concurrency: int = 1):
+    """The demo's best possible speed-up over the serial run, and why.
+
+    Each evaluation of the log-density calls every site once.  The serial run makes these
+    calls one after another: ``models`` calls per evaluation.  Remotely, the
+    ``min(chains, cores)`` sampler processes each call every site at once; a site has a
+    replica on each worker that runs ``concurrency`` calls at a time (on the worker's call
+    server, not its task threads), so each site serves ``workers * concurrency`` calls at
+    once and the processes' calls to it take ``ceil(processes / that)`` rounds.
+
+    Returns
+    -------
+    (float, str)
+        The ideal ratio of serial to remote sampling time, and the reason in words.
+
+    Examples
+    --------
+    >>> ideal_speedup(models=4, chains=2, cores=2, workers=4)
+    (4.0, '4 calls of an evaluation at once')
+    >>> ideal_speedup(models=4, chains=4, cores=4, workers=2)
+    (2.0, '4 calls of an evaluation at once, 2 rounds: 4 processes share 2 replicas a site')
+    """
+    processes = max(1, min(chains, cores))
+    slots = max(1, workers * concurrency)
+    rounds = -(-processes // slots)
+    why = f"{models} calls of an evaluation at once"
+    if rounds > 1:
+        why += f", {rounds} rounds: {processes} processes share {slots} replicas a site"
+    return models / rounds, why
+
+
 def site_names(n: int) -> list[str]:
     return [f"site-{string.ascii_lowercase[i]}" for i in range(n)]
 

@@ -86,9 +86,10 @@ def _run_demo(args) -> int:
                 for v in ("mu", "log_sigma")
             )
             print(f"  the same model, calls one after another:   {t_serial:8.2f} s")
+            ideal, why = _demo.ideal_speedup(args.models, args.chains, args.cores, n_workers)
             print(
-                f"  speed-up: {t_serial / t_remote:.2f}x "
-                f"(ideal {min(args.models, n_workers)}x); identical draws: {same}"
+                f"  speed-up: {t_serial / t_remote:.2f}x (ideal {ideal:g}x: {why}); "
+                f"identical draws: {same}"
             )
         print()
         print(_summary(remote))
