@@ -179,6 +179,7 @@ class _CallableOp(Op):
                 raise ValueError(
                     f"{self} output {j}: {getattr(self.fn, '__name__', 'fn')} returned an "
                     f"array of shape {arr.shape}, expected {want} with shape {want.shape}"
+                    + _wrapped_hint(value, want)
                 )
             outs.append(arr)
         return outs
@@ -248,6 +249,23 @@ class _CallableOp(Op):
         pullback = _no_gradient
     else:
         L_op = _no_gradient
+
+
+def _wrapped_hint(value, want) -> str:
+    """What to return instead, when a function returned its one output in a list or
+    tuple (``[out]``, as pytensor-federated's functions do) and ``out`` would fit."""
+    if not isinstance(value, list | tuple) or len(value) != 1:
+        return ""
+    inner = np.shape(value[0])
+    if len(inner) != want.ndim or any(
+        need is not None and have != need for have, need in zip(inner, want.shape)
+    ):
+        return ""
+    kind = type(value).__name__
+    return (
+        f"; it looks like the output wrapped in a {kind} of one: return the array itself "
+        f"(`return out`, not `return [out]`)"
+    )
 
 
 class ArraysToArraysOp(_CallableOp):

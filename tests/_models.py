@@ -49,6 +49,9 @@ class Probe:
     def scale(self, x, k):
         return x * k
 
+    def scale_in_a_list(self, x, k):  # one output as pytensor-federated's functions give it
+        return [x * k]
+
 
 def broken_factory():
     raise RuntimeError("weights file not found")

@@ -68,6 +68,20 @@ def test_wrong_result_shape_fails_at_call_time_naming_the_op():
         f(np.ones(3))
 
 
+@pytest.mark.parametrize("wrap", [list, tuple])
+def test_one_output_returned_in_a_list_is_told_what_to_return(wrap):
+    op = dt.ArraysToArraysOp(lambda x: wrap([2 * x]), [pt.dvector], [pt.dvector])
+    f = dt.function([x := pt.dvector("x")], op(x), scheduler="sync")
+    kind = wrap.__name__
+    with pytest.raises(ValueError, match=rf"shape \(1, 4\).*wrapped in a {kind} of one: "):
+        f(np.ones(4))
+    with pytest.raises(ValueError, match=r"return the array itself \(`return out`, not"):
+        f(np.ones(4))
+    # a one-element vector is an answer in its own right: no hint where it fits
+    fine = dt.ArraysToArraysOp(lambda x: [x.sum()], [pt.dvector], [pt.dvector])
+    assert dt.function([x], fine(x), scheduler="sync")(np.ones(4)).tolist() == [4.0]
+
+
 def test_props_make_equal_ops_merge_and_options_distinguish_them():
     a = dt.LogpOp(np.sum, [pt.dvector])
     assert a == dt.LogpOp(np.sum, [pt.dvector]) and hash(a) == hash(

@@ -153,6 +153,15 @@ def test_dask_mode_mixes_remote_calls_with_cluster_tasks(four):
     model.close()
 
 
+def test_a_remote_output_returned_in_a_list_is_told_what_to_return(four):
+    model = dt.RemoteModel(Probe, name="probe")
+    op = model.arrays_to_arrays_op("scale_in_a_list", [pt.dvector, pt.dscalar], [pt.dvector])
+    f = pytensor.function([x := pt.dvector("x")], op(x, 2.0))
+    with pytest.raises(ValueError, match=r"shape \(1, 3\).*return the array itself"):
+        f(np.ones(3))
+    model.close()
+
+
 def test_strided_and_non_contiguous_inputs(four):
     model = dt.RemoteModel(Probe, name="probe")
     op = model.arrays_to_arrays_op("sum_and_corner", [pt.dmatrix], [pt.dvector])
