@@ -11,10 +11,11 @@ SMALL = ["--draws", "15", "--tune", "15", "--delay", "0.002", "--seed", "3"]
 
 
 @pytest.mark.parametrize("chains", [1, 2])
-def test_demo_samples_on_an_embedded_cluster(capsys, chains):
+def test_demo_samples_on_an_embedded_cluster(capfd, chains):
     args = ["demo", "--workers", "2", "--chains", str(chains), "--cores", str(chains)]
     assert main(args + SMALL) == 0
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()
+    assert "Warning" not in out + err, out + err  # nothing a new user cannot act on
     assert "Dashboard: http://127.0.0.1:" in out
     assert "Remote calls (not in the task stream): http://127.0.0.1:" in out
     assert "/dasktensor/calls\n" in out
