@@ -24,6 +24,11 @@ scheduler reports lost workers.
   replica is missing) and build the model again.  So does
   ``client.register_plugin(ModelHost())`` on a worker whose host a build task added (the
   scheduler did not know it): ``worker.plugin_add`` replaces a plugin of the same name.
+* **Leases.**  A replica built with a ``lease`` (the key of a task its creator's client
+  keeps wanted) is dropped once the scheduler has forgotten that task: every
+  ``dasktensor.remote.lease-check`` (1 s; the worker's Dask config) the host asks the
+  scheduler for its leases' states (``get_task_status``), only while it holds replicas
+  with leases.  A lease the scheduler cannot be asked about keeps its replicas.
 * **One build per model and worker.**  Build tasks of one model may run at once in
   several threads of a worker; a lock makes ``factory()`` run once.
 * **The model's own errors** are caught and sent back (the pickled exception and
@@ -37,8 +42,11 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 
+import dask.config
+from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import sync
+from tornado.ioloop import PeriodicCallback
 
 from dasktensor_worker.calllog import LOG_HANDLER, CallLog
 from dasktensor_worker.replica import Replica
@@ -72,6 +80,8 @@ class ModelHost(WorkerPlugin):
     def __init__(self):
         self.replicas: dict[str, Replica] = {}
         self.builds: dict[str, int] = {}  # how many times each model was built here
+        self.leases: dict[str, str] = {}  # model key -> the key of the lease keeping it
+        self._lease_check: PeriodicCallback | None = None
         self.lock = threading.Lock()
         self.closed = False
         self.server: WireServer | None = None
@@ -90,8 +100,15 @@ class ModelHost(WorkerPlugin):
         if address.startswith("tls://"):
             context = worker.security.get_listen_args("worker")["ssl_context"]
         self.server = WireServer(_listen_host(address), self.answer, context)
+        every = dask.config.get("dasktensor.remote.lease-check", "1s")
+        self._lease_check = PeriodicCallback(
+            lambda: self.check_leases(worker), parse_timedelta(every) * 1000
+        )
+        self._lease_check.start()  # on the worker's event loop (setup runs there)
 
     def teardown(self, worker) -> None:
+        if self._lease_check is not None:
+            self._lease_check.stop()
         if worker.handlers.get(LOG_HANDLER) == self.calls.handle:
             del worker.handlers[LOG_HANDLER]
         self.closed = True
@@ -110,10 +127,15 @@ class ModelHost(WorkerPlugin):
 
     # -- replicas ---------------------------------------------------------------------
 
-    def build(self, key: str, name: str, factory: Callable, concurrency: int) -> None:
-        """Build model ``key`` with ``factory()`` unless this worker holds it already."""
+    def build(
+        self, key: str, name: str, factory: Callable, concurrency: int, lease: str | None = None
+    ) -> None:
+        """Build model ``key`` with ``factory()`` unless this worker holds it already;
+        keep it while task ``lease`` exists (None: until released)."""
         with self.lock:  # one build per key, however many tasks ask at once
             if key in self.replicas:
+                if lease is not None:  # the creator's build, after another process's
+                    self.leases[key] = lease
                 return
             model = factory()
             if self.closed:
@@ -124,11 +146,28 @@ class ModelHost(WorkerPlugin):
                 )
             self.replicas[key] = Replica(model, concurrency, name)
             self.builds[key] = self.builds.get(key, 0) + 1
+            if lease is not None:
+                self.leases[key] = lease
 
     def release(self, key: str) -> bool:
         """Drop model ``key`` from this worker; whether it was held (a call running goes
         on to its end)."""
+        self.leases.pop(key, None)
         return self.replicas.pop(key, None) is not None
+
+    async def check_leases(self, worker) -> None:
+        """Drop the replicas whose lease the scheduler has forgotten (their creator let
+        go of the model, or went away)."""
+        held = {k: lease for k, lease in list(self.leases.items()) if k in self.replicas}
+        if not held:
+            return
+        try:
+            states = await worker.scheduler.get_task_status(keys=sorted(set(held.values())))
+        except Exception:  # the scheduler cannot say now: keep everything, ask again
+            return
+        for key, lease in held.items():
+            if lease in states and states[lease] is None and self.leases.get(key) == lease:
+                self.release(key)
 
     def answer(self, key: str, method: str | None, args: Sequence) -> tuple:
         """Run one call (on the server's thread): ``("OK", result)``, ``("missing", None)``

@@ -7,7 +7,7 @@ neither dasktensor nor PyTensor, so that building and finding a model costs a ba
 
 * :func:`build_replica`: the body of a model's build task (``build-<name>`` on the
   dashboard); it adds the :class:`~dasktensor_worker.plugin.ModelHost` plugin to its
-  worker if needed.
+  worker if needed.  :func:`lease`: the body of the task that keeps its replicas.
 * :func:`endpoint`, :func:`holds`, :func:`build_count`, :func:`release`, :func:`summary`:
   run on the workers with ``client.run`` (discovery and the call servers' addresses,
   ``RemoteModel.build_counts``, ``RemoteModel.close``, ``dt.cluster_summary``).
@@ -23,15 +23,25 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def build_replica(key: str, name: str, factory: Callable, concurrency: int) -> str:
-    """Task body: build model ``key`` on this worker (once); the worker's address."""
+def build_replica(
+    key: str, name: str, factory: Callable, concurrency: int, lease: str | None = None
+) -> str:
+    """Task body: build model ``key`` on this worker (once); the worker's address.
+
+    ``lease``: the key of a task its creator keeps wanted; the replica is dropped once
+    the scheduler has forgotten it (see ``ModelHost.check_leases``)."""
     from distributed import get_worker
 
     from dasktensor_worker.plugin import ensure_host
 
     worker = get_worker()
-    ensure_host(worker).build(key, name, factory, concurrency)
+    ensure_host(worker).build(key, name, factory, concurrency, lease)
     return worker.address
+
+
+def lease() -> None:
+    """Task body of a model's lease (``dasktensor-lease-<key>-<n>``): it computes
+    nothing; that its creator's client wants it keeps the model's replicas alive."""
 
 
 def _host(dask_worker):

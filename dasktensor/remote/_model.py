@@ -20,7 +20,7 @@ from dasktensor._callable_ops import ArraysToArraysOp, LogpGradOp, LogpOp
 from dasktensor._cluster import SchedulerRef
 from dasktensor._placement import Placement, check_name
 from dasktensor.remote._calls import call
-from dasktensor.remote._replicas import build_counts, holders, release, replica_set
+from dasktensor.remote._replicas import build_counts, holders, owned, release, replica_set
 from dasktensor.remote._spec import ModelSpec
 from dasktensor.remote._summary import cluster_summary, model_html
 from dasktensor.remote._target import RemoteMethod
@@ -128,6 +128,7 @@ class RemoteModel:
             workers=workers,
             allow_other_workers=allow_other_workers,
         )
+        owned(self, self._spec)  # made here: its replicas live while it does
 
     # -- options (read-only: they are the model's identity on the cluster) -----------------
 
@@ -262,7 +263,7 @@ def _checked_spec(
         raise ValueError(
             f"RemoteModel(timeout=...) expected a number of seconds > 0, got {timeout!r}"
         )
-    return ModelSpec(
+    spec = ModelSpec(
         # identity of the model on the cluster; copies made by pickling share it
         key=f"{name}-{uuid.uuid4().hex[:16]}",
         name=name,
@@ -276,3 +277,4 @@ def _checked_spec(
         workers=placement.workers,
         only_workers=placement.workers is not None and not placement.allow_other_workers,
     )
+    return spec

@@ -15,6 +15,15 @@
   left, the next call finds or builds replicas again where Dask has workers.
 * **Refreshing.**  Every ``dasktensor.remote.refresh-interval`` of use the list is matched
   to the cluster again, in a background thread, so new or restarted workers get replicas.
+* **Lifetime.**  The process that created a model (its ``RemoteModel``) holds a *lease*
+  for its replicas: a tiny Dask task (``dasktensor-lease-<key>-<n>``) its client keeps
+  wanted, named in the builds it makes.  The workers' ``ModelHost`` asks the scheduler
+  every second whether the leases of its replicas still exist, and drops the replicas
+  of a lease that is gone: the ``RemoteModel`` was garbage-collected here (a finalizer
+  releases the lease and the replicas; see :func:`owned`), or this process or its
+  client went away, killed included, which makes the scheduler forget its keys.  Other processes (sampler
+  children, unpickled copies) hold no lease: what they rebuild lives until ``close()``
+  or the owner's finalizer.
 * **Choosing.**  :meth:`ReplicaSet.pick` applies the pure policy of
   ``dasktensor.remote._policy`` to this process's state: the model's home (from numbers
   the scheduler hands out) and the calls in flight per worker, over all models.
@@ -30,6 +39,7 @@ import random
 import threading
 import time
 import uuid
+import weakref
 
 from dasktensor import _config
 from dasktensor._cluster import (
@@ -111,6 +121,7 @@ class ReplicaSet:
         global _process_number
         client = self.spec.client()
         show_calls_page(client)
+        _hold_lease(self.spec, client)
         self._use(self._find_or_build(client))
         self.checked = time.monotonic()
         self.interval = _config.seconds("remote.refresh-interval")
@@ -180,6 +191,7 @@ class ReplicaSet:
                         spec.name,
                         spec.factory,
                         spec.concurrency,
+                        _lease_of(spec, client),
                         key=f"build-{spec.name}-{uuid.uuid4().hex}",
                         placement=Placement(
                             resources=spec.resources or None,
@@ -219,6 +231,60 @@ def _named(spec: ModelSpec, among: list[str], workers: dict[str, dict]) -> list[
     return [a for w in spec.workers or () for a in among if w == a or str(w) == str(names[a])]
 
 
+def owned(model, spec: ModelSpec) -> None:
+    """``model`` (a ``RemoteModel`` with ``spec``) was created in this process: hold its
+    lease here, and release its replicas when ``model`` is garbage-collected.
+
+    The ``RemoteModel``, not the spec its Ops hold: PyTensor's rewriters keep every Op
+    they have seen (``OpToRewriterTracker.get_trackers`` is a ``functools.cache``), so
+    an Op, once compiled, lives as long as the process.  An Op called after its model
+    was collected builds the model again, held for the rest of the process's life."""
+    _owned.add(spec)
+    weakref.finalize(model, _forget, spec.key, spec.scheduler)
+
+
+def _hold_lease(spec: ModelSpec, client) -> None:
+    """Make sure this process holds a lease for the replicas of a model it created, on
+    ``client`` (a new one if the last was taken on a client since closed)."""
+    if spec not in _owned:
+        return
+    lease = _leases.get(spec.key)
+    if lease is not None and lease.client is client and lease.status != "cancelled":
+        return
+    key = f"dasktensor-lease-{spec.key}-{uuid.uuid4().hex[:8]}"
+    _leases[spec.key] = client.submit(tasks.lease, key=key, pure=False)
+
+
+def _lease_of(spec: ModelSpec, client) -> str | None:
+    """The key of the lease this process holds for ``spec`` on ``client``, if any."""
+    lease = _leases.get(spec.key)
+    return lease.key if lease is not None and lease.client is client else None
+
+
+def _forget(key: str, scheduler) -> None:
+    """Finalizer of a model created here: drop its lease (the workers then drop its
+    replicas within a second) and release them at once, in a thread (see
+    ``dasktensor._resident._release``).  No locks: the collector may run anywhere,
+    also in a thread that holds one of this module's."""
+    _sets.pop(key, None)
+    _leases.pop(key, None)
+    try:
+        threading.Thread(
+            target=_release_key, args=(key, scheduler), name="dasktensor-release", daemon=True
+        ).start()
+    except RuntimeError:  # at interpreter shutdown: the client's closing drops the lease
+        pass
+
+
+def _release_key(key: str, scheduler) -> None:
+    try:
+        kind, client = scheduler.resolve()
+        if kind == "client" and client.status == "running":
+            client.run(tasks.release, key, on_error="ignore")
+    except Exception:  # the cluster is gone already: nothing left to release
+        pass
+
+
 def replica_set(spec: ModelSpec) -> ReplicaSet:
     """This process's :class:`ReplicaSet` of the model (created on first use)."""
     with _sets_lock:
@@ -251,6 +317,7 @@ def build_counts(spec: ModelSpec) -> dict[str, int]:
 
 def release(spec: ModelSpec) -> None:
     """Drop the model's replicas from the workers, and this process's state of them."""
+    _leases.pop(spec.key, None)
     spec.client().run(tasks.release, spec.key)
     with _sets_lock:
         _sets.pop(spec.key, None)
@@ -269,6 +336,10 @@ def _number(client, kind: str, key: str | None) -> int:
 
 _sets: dict[str, ReplicaSet] = {}
 _sets_lock = threading.Lock()
+# the specs created in this process, and the leases it holds for them (key -> Future)
+_owned: weakref.WeakSet[ModelSpec] = weakref.WeakSet()
+_leases: dict = {}
+_inherited: list = []
 # calls this process has in flight per worker, over all models: independent calls of
 # different models go to different workers too
 _inflight: dict[str, int] = {}
@@ -281,6 +352,9 @@ def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
     _process_number = None
     _sets.clear()
     _sets_lock = threading.Lock()
+    _owned.clear()  # a forked sampler is not the owner: its parent holds the leases
+    _inherited.extend(_leases.values())  # kept: releasing them here would wake the
+    _leases.clear()  # parent's event loop through the pipe the two share
     _inflight.clear()
     _inflight_lock = threading.Lock()
 
