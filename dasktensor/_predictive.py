@@ -256,5 +256,3 @@ def sample_posterior_predictive(
     if compute:
         dataset = compute_dataset(dataset, client, progressbar)
     return replace_group(small_result, group, dataset)
-
-

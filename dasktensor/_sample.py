@@ -106,8 +106,7 @@ progressbar, model
     refused = sorted(k for k in kwargs if k in _REFUSED)
     if refused:
         raise TypeError(
-            "dt.sample does not take "
-            + "; nor ".join(f"{k}= ({_REFUSED[k]})" for k in refused)
+            "dt.sample does not take " + "; nor ".join(f"{k}= ({_REFUSED[k]})" for k in refused)
         )
     if kwargs.get("nuts_sampler", "pymc") != "pymc":
         raise ValueError(

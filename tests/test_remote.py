@@ -368,19 +368,28 @@ def test_ops_and_functions_pickle_into_another_process(four, tmp_path):
     model.close()
 
 
+def test_a_slow_call_is_probed_not_moved(four):
+    """A call that takes several probe intervals stays where it runs: the probes are
+    answered by the call server while the model works."""
+    model = dt.RemoteModel(Probe, name="probe", replicas=1)
+    (home,) = model.start()
+    pid, _ = model.call("where", 2.0)  # probed every 0.5 s (probe-after) while it sleeps
+    assert pid == four.run(os.getpid)[home]
+    assert model.build_counts() == {home: 1}
+    model.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)  # a caller waiting for ever fails here
 def test_a_frozen_worker_loses_its_call_to_another_replica():
     """A stopped (SIGSTOP) worker without a nanny keeps its connections open (its kernel
-    still speaks TCP) and never answers; nobody kills it, only the scheduler sees it go
-    (``worker-ttl``: no heartbeats).  The waiting call asks the scheduler every
-    ``refresh-interval`` and then runs on another replica."""
+    still speaks TCP) and never answers; nobody kills it, and the scheduler would see it
+    go only after ``worker-ttl`` (here 300 s, past the test's timeout).  The waiting
+    call probes the worker's call server after ``probe-after``, gets no answer within
+    ``probe-timeout`` and runs on another replica; the next calls avoid the worker."""
     from distributed import Client
 
-    settings = {
-        "distributed.scheduler.worker-ttl": "3s",
-        "dasktensor.remote.refresh-interval": "0.5s",
-    }
+    settings = {"distributed.scheduler.worker-ttl": "300s"}
     with (
         dask.config.set(settings),
         _cluster(n_workers=1) as cluster,
@@ -407,9 +416,11 @@ def test_a_frozen_worker_loses_its_call_to_another_replica():
             pid, _ = model.call("where", 0.0)
             waited = time.monotonic() - t0
             assert pid == pids[other]  # answered by a replica built on the other worker
-            assert waited < 60, waited
-            assert model.workers() == [other]
-            model.close()
+            assert waited < 30, waited  # a probe's 1.5 s, not Dask's 30 s nor worker-ttl
+            t0 = time.monotonic()
+            assert {model.call("where", 0.0)[0] for _ in range(3)} == {pids[other]}
+            assert time.monotonic() - t0 < 10  # no call waits on the frozen worker again
+            os.kill(frozen.pid, signal.SIGCONT)
         finally:
             frozen.kill()
             frozen.wait()

@@ -14,9 +14,15 @@ server through the channel and reads the reply, in the calling thread:
   ``dasktensor.remote.allowed-failures`` such failures in one call raise
   ``RemoteModelError``.  A worker that cannot be reached securely (TLS) is an error at
   once (``RemoteModelError``), not a lost worker.
-* No reply, and the scheduler removed the worker (it stopped answering its heartbeats:
-  frozen, or cut off from the network; asked every ``refresh-interval`` of waiting): a
-  lost worker, as above.
+* No reply yet after ``dasktensor.remote.probe-after`` (0.5 s), and the worker's call
+  server does not answer a probe (a request for no model, answered at once by a live
+  server whatever its models do) within ``dasktensor.remote.probe-timeout`` (1 s): a
+  silent network or a frozen process.  The worker is a *suspect* (no call goes there
+  until it answers a probe again) and the call is a lost worker's, as above.  Probes
+  repeat every ``probe-after`` while the call waits: a slow model is not a silent one.
+  Calls shorter than ``probe-after`` cost nothing more.
+* No reply, and the scheduler removed the worker (it stopped answering its heartbeats;
+  asked every ``refresh-interval`` of waiting): a lost worker, as above.
 * No reply within the model's ``timeout``: ``TimeoutError`` (after ``retries``).  The
   call goes on on the worker (it cannot be stopped) and its worker counts as busy until
   the reply comes (read and dropped in a thread).
@@ -29,6 +35,7 @@ first, on a connection of its own, then the replies are read; no thread per call
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 
 from dasktensor import _config
@@ -106,18 +113,28 @@ def _round_trip(replicas, address: str, spec: ModelSpec, method, args):
 
 
 def _reply(conn, replicas, address: str, timeout: float | None):
-    """The reply on ``conn``.  Without a ``timeout``, every ``refresh-interval`` of waiting
-    the scheduler is asked whether the worker is still there: a worker it removed (one
-    that stopped answering its heartbeats: frozen, or cut off) loses the call to another
-    replica instead of keeping the caller waiting for ever."""
+    """The reply on ``conn``.  Without a ``timeout``, every ``probe-after`` of waiting the
+    worker's call server is probed, and every ``refresh-interval`` the scheduler is asked
+    whether the worker is still there: a worker that does not answer, or that the
+    scheduler removed, loses the call to another replica (see the module docstring)."""
     if timeout is not None:
         return conn.reply(timeout)
-    while not conn.readable(replicas.interval or 1.0):
-        if not replicas.alive(address):
+    every, patience = replicas.probe_after, replicas.probe_timeout
+    asked = time.monotonic()
+    while not conn.readable(every):
+        if not replicas.answers(address, patience):
             raise ConnectionError(
-                f"the scheduler removed worker {address} while it ran the call (it stopped "
-                "answering); the call runs again on another replica"
+                f"worker {address} did not answer a probe within {patience:g} s while it "
+                "ran the call (a silent network, or a frozen process); the call runs "
+                "again on another replica"
             )
+        if time.monotonic() - asked > (replicas.interval or 1.0):
+            asked = time.monotonic()
+            if not replicas.alive(address):
+                raise ConnectionError(
+                    f"the scheduler removed worker {address} while it ran the call (it "
+                    "stopped answering); the call runs again on another replica"
+                )
     return conn.reply(None)
 
 

@@ -46,12 +46,12 @@ class WireRefused(ConnectionError):
 class Connection:
     """One socket to a worker's call server."""
 
-    def __init__(self, address: str, endpoint: tuple, context):
+    def __init__(self, address: str, endpoint: tuple, context, timeout: float | None = None):
         host, port, tls = endpoint
         self.address, self.endpoint = address, endpoint
-        sock = socket.create_connection(
-            (host, port), timeout=_config.seconds("remote.connect-timeout")
-        )
+        if timeout is None:
+            timeout = _config.seconds("remote.connect-timeout")
+        sock = socket.create_connection((host, port), timeout=timeout)
         wire.nodelay(sock)
         if tls:
             try:
@@ -99,9 +99,12 @@ class Channel:
         self.contexts: dict = {}
         self.lock = threading.Lock()
 
-    def send(self, address: str, endpoint: tuple, security, message) -> Connection:
+    def send(
+        self, address: str, endpoint: tuple, security, message, timeout: float | None = None
+    ) -> Connection:
         """Write ``message`` to the worker at ``address``; the connection to read the reply
-        from (give it back with :meth:`give_back`, or close it)."""
+        from (give it back with :meth:`give_back`, or close it).  ``timeout`` bounds the
+        connecting (default ``dasktensor.remote.connect-timeout``)."""
         with self.lock:
             idle = self.idle.get(endpoint)
             conn = idle.pop() if idle else None
@@ -111,13 +114,33 @@ class Channel:
                 return conn
             except OSError:  # the worker closed it (restarted, or gone): try a fresh one
                 conn.close()
-        conn = Connection(address, endpoint, self._context(endpoint, address, security))
+        context = self._context(endpoint, address, security)
+        conn = Connection(address, endpoint, context, timeout)
         try:
             conn.send(message)
         except BaseException:
             conn.close()
             raise
         return conn
+
+    def probe(self, address: str, endpoint: tuple, security, timeout: float) -> bool:
+        """Whether the call server at ``endpoint`` answers within ``timeout`` seconds.
+
+        The probe is a request for no model, which a live server answers at once with
+        ``("missing", None)`` from its connection's thread, whatever its models are
+        doing; a silent network or a frozen process lets it time out."""
+        try:
+            conn = self.send(address, endpoint, security, (None, None, ()), timeout)
+        except OSError:
+            return False
+        try:
+            if conn.readable(timeout) and conn.reply(timeout)[0] == "missing":
+                self.give_back(conn)
+                return True
+        except (OSError, EOFError):
+            pass
+        conn.close()
+        return False
 
     def give_back(self, conn: Connection) -> None:
         """Keep a connection whose reply was read, for the next call."""

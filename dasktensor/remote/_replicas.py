@@ -73,6 +73,7 @@ class ReplicaSet:
         self.security = None  # the client's distributed.Security (TLS clusters)
         self.checked = 0.0  # time.monotonic() of the last look at the cluster
         self.interval = 0.0  # dasktensor.remote.refresh-interval, read at each look
+        self.probe_after = self.probe_timeout = 1.0  # dasktensor.remote.probe-*, likewise
         self.refreshing = False
 
     def pick(self) -> str:
@@ -104,6 +105,19 @@ class ReplicaSet:
         except Exception:
             return True
 
+    def answers(self, address: str, timeout: float) -> bool:
+        """Whether the worker at ``address`` answers a probe within ``timeout`` seconds;
+        one that does not becomes a suspect: no replica of any model is looked for or
+        built there until it answers again (see :func:`_answering`)."""
+        endpoint = self.endpoints.get(address)
+        if endpoint is None:
+            return True  # nothing to probe: the call's own outcome will tell
+        if get_channel().probe(address, endpoint, self.security, timeout):
+            return True
+        with _inflight_lock:
+            _suspects[address] = (endpoint, self.security)
+        return False
+
     def start(self) -> list[str]:
         """Find or build the replicas now; their workers."""
         with self.lock:
@@ -125,6 +139,8 @@ class ReplicaSet:
         self._use(self._find_or_build(client))
         self.checked = time.monotonic()
         self.interval = _config.seconds("remote.refresh-interval")
+        self.probe_after = _config.seconds("remote.probe-after")
+        self.probe_timeout = _config.seconds("remote.probe-timeout")
         self.security = getattr(client, "security", None)
         if _process_number is None:
             _process_number = _number(client, "process", None)
@@ -161,7 +177,7 @@ class ReplicaSet:
         spec = self.spec
         if spec.resources:
             check_resources(client, [Placement(resources=spec.resources)])
-        workers = scheduler_workers(client)
+        workers = _answering(scheduler_workers(client))
         eligible = [a for a, w in workers.items() if offers(w.get("resources"), spec.resources)]
         if spec.only_workers:
             eligible = [a for a in eligible if a in _named(spec, eligible, workers)]
@@ -205,6 +221,26 @@ class ReplicaSet:
                 built = client.gather(futures)  # a factory's error is raised here
             held.update(_endpoints(client, spec.key, [a for a in built if a not in held]))
         return held
+
+
+def _answering(workers: dict[str, dict]) -> dict[str, dict]:
+    """``workers`` without the suspects that still do not answer a probe: asking a
+    silent worker through Dask (``client.run``) would wait for Dask's connect timeout
+    (30 s).  A suspect that answers is one no more; one the scheduler dropped is
+    forgotten."""
+    with _inflight_lock:
+        suspects = {a: s for a, s in _suspects.items() if a in workers}
+        for gone in set(_suspects) - set(suspects):
+            del _suspects[gone]
+    if not suspects:
+        return workers
+    timeout = _config.seconds("remote.probe-timeout")
+    for address, (endpoint, security) in suspects.items():
+        if get_channel().probe(address, endpoint, security, timeout):
+            with _inflight_lock:
+                _suspects.pop(address, None)
+    with _inflight_lock:
+        return {a: w for a, w in workers.items() if a not in _suspects}
 
 
 def _endpoints(client, key: str, among: list[str]) -> dict[str, tuple]:
@@ -343,7 +379,9 @@ _inherited: list = []
 # calls this process has in flight per worker, over all models: independent calls of
 # different models go to different workers too
 _inflight: dict[str, int] = {}
-_inflight_lock = threading.Lock()
+_inflight_lock = threading.Lock()  # also guards _suspects
+# workers that did not answer a probe: address -> (endpoint, security) to probe again
+_suspects: dict[str, tuple] = {}
 _process_number: int | None = None
 
 
@@ -357,6 +395,7 @@ def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
     _leases.clear()  # parent's event loop through the pipe the two share
     _inflight.clear()
     _inflight_lock = threading.Lock()
+    _suspects.clear()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
