@@ -29,6 +29,7 @@ import threading
 import numpy as np
 
 from dasktensor._cluster import default_client, is_client, scheduler_workers
+from dasktensor._runners import process_compile_lock
 
 #: pm.sample arguments that say how to run chains in processes of this machine
 _REFUSED = {
@@ -129,7 +130,10 @@ progressbar, model
     from dasktensor._chains import ChainRunner  # (imports distributed)
 
     runner = ChainRunner(client, every, open_store)
-    with _chains_run_by(runner, client, chains):
+    # PyTensor's compilation is not thread-safe (two dt.sample calls in threads, on a
+    # cold compile cache: a failed Apply node, or draws off in the 12th digit): hold the
+    # process's compile lock while pm.sample compiles, not while the chains run (_dispatch)
+    with _chains_run_by(runner, client, chains), process_compile_lock():
         return pm.sample(
             draws,
             tune=tune,
@@ -310,7 +314,12 @@ def _dispatch(name: str, original):
                 "dt.sample runs chains independently, as Dask tasks; population samplers "
                 "(DEMetropolis, DEMetropolisZ) move all chains together: use pm.sample"
             )
-        return runner(**kwargs)
+        lock = process_compile_lock()
+        lock.release()  # taken by sample(): the chains run on the cluster meanwhile
+        try:
+            return runner(**kwargs)
+        finally:
+            lock.acquire()
 
     return run
 

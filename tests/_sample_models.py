@@ -41,18 +41,14 @@ def groups_of(result) -> dict:
     return {name: result[name] for name in result.groups()}
 
 
-def assert_same_draws(got, expected, ulps: int = 0) -> None:
-    """Every group of draws equal bit for bit (timing statistics aside), or within
-    ``ulps`` units in the last place."""
+def assert_same_draws(got, expected) -> None:
+    """Every group of draws equal bit for bit (timing statistics aside)."""
     got, expected = groups_of(got), groups_of(expected)
     sampled = [g for g in expected if "posterior" in g or "sample_stats" in g]
     assert sampled and sorted(g for g in got if g in sampled) == sorted(sampled)
     for group in sampled:
         for name, values in expected[group].data_vars.items():
             if name in TIMING:
-                continue
-            if ulps and values.dtype.kind == "f":
-                np.testing.assert_array_max_ulp(got[group][name].values, values.values, ulps)
                 continue
             np.testing.assert_array_equal(
                 got[group][name].values, values.values, err_msg=f"{group}/{name}"
