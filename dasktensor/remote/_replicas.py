@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 from dasktensor import _config
 from dasktensor._cluster import (
@@ -84,6 +85,8 @@ class ReplicaSet:
             elif time.monotonic() - self.checked > self.interval:
                 self._refresh_in_background()
             addresses = self.addresses
+            if _suspects:  # workers that did not answer a probe: not while others are there
+                addresses = [a for a in addresses if a not in _suspects] or addresses
             home = home_replica(self.number, _process_number, len(addresses))
         with _inflight_lock:
             address = addresses[choose_replica(addresses, home, _inflight)]
@@ -177,7 +180,7 @@ class ReplicaSet:
         spec = self.spec
         if spec.resources:
             check_resources(client, [Placement(resources=spec.resources)])
-        workers = _answering(scheduler_workers(client))
+        workers = _answering(scheduler_workers(client), self.endpoints, self.security)
         eligible = [a for a, w in workers.items() if offers(w.get("resources"), spec.resources)]
         if spec.only_workers:
             eligible = [a for a in eligible if a in _named(spec, eligible, workers)]
@@ -223,23 +226,35 @@ class ReplicaSet:
         return held
 
 
-def _answering(workers: dict[str, dict]) -> dict[str, dict]:
-    """``workers`` without the suspects that still do not answer a probe: asking a
+def _answering(workers: dict[str, dict], known: dict[str, tuple], security) -> dict:
+    """``workers`` without those whose call server does not answer a probe: asking a
     silent worker through Dask (``client.run``) would wait for Dask's connect timeout
-    (30 s).  A suspect that answers is one no more; one the scheduler dropped is
-    forgotten."""
+    (30 s), holding up every call that waits for this look.  Probed: the suspects, and
+    the workers whose call servers this replica set knows (``known``, address ->
+    endpoint: a few sub-millisecond round trips when all is well); a worker never seen
+    cannot be probed.  A suspect that answers is one no more; one the scheduler dropped
+    is forgotten."""
     with _inflight_lock:
-        suspects = {a: s for a, s in _suspects.items() if a in workers}
-        for gone in set(_suspects) - set(suspects):
+        for gone in set(_suspects) - set(workers):
             del _suspects[gone]
-    if not suspects:
+        probes = {a: (e, security) for a, e in known.items() if a in workers}
+        probes.update((a, s) for a, s in _suspects.items())
+    if not probes:
         return workers
     timeout = _config.seconds("remote.probe-timeout")
-    for address, (endpoint, security) in suspects.items():
-        if get_channel().probe(address, endpoint, security, timeout):
-            with _inflight_lock:
-                _suspects.pop(address, None)
+
+    def probe(item):
+        address, (endpoint, creds) = item
+        return address, get_channel().probe(address, endpoint, creds, timeout)
+
+    with ThreadPoolExecutor(min(8, len(probes)), thread_name_prefix="dasktensor-probe") as pool:
+        answered = dict(pool.map(probe, probes.items()))
     with _inflight_lock:
+        for address, yes in answered.items():
+            if yes:
+                _suspects.pop(address, None)
+            else:
+                _suspects[address] = probes[address]
         return {a: w for a, w in workers.items() if a not in _suspects}
 
 
