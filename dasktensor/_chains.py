@@ -24,6 +24,11 @@ after them:
   chain's last segment (a first segment of a few draws measures it).
 * **More chains than worker threads queue**, as any Dask tasks do; a worker that joins
   takes queued segments.
+* **A silent worker's segments run twice.**  A worker cut off the network (or frozen)
+  holds its segment until the scheduler gives up on it (``worker-ttl``, 5 min); once the
+  scheduler has not heard from it for ``dasktensor.sample.silent-worker`` (5 s, while
+  other workers were heard), its segments are submitted again to the other workers and
+  the first copy to finish is taken: the same draws either way.
 
 This module replaces, for one ``dt.sample`` call, PyMC's loop that runs the chains one
 after another (``_sample_many``): everything before it (seeds, initialisation, step
@@ -34,6 +39,9 @@ methods, traces) and after it (``InferenceData``/``DataTree``, convergence check
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -85,6 +93,7 @@ class ChainRunner:
         self.token = uuid.uuid4().hex
         self.segments = 0  # segments run
         self.compiled: dict[str, int] = {}  # worker -> times it compiled the step method
+        self._heard: list[str] = []  # while some worker is silent: the others
 
     def __call__(self, *, draws, chains, traces, start, rngs, step, callback=None, **kwargs):
         from pymc.progress_bar import MCMCProgressBarManager
@@ -119,49 +128,99 @@ class ChainRunner:
                     )  # fmt: skip
                 self._run(runs, tune, draws, recorder)
         finally:
-            try:
-                compiled = self.client.run(forget, self.token, on_error="return")
-                self.compiled = {a: n for a, n in compiled.items() if isinstance(n, int) and n}
-                self.client.unregister_worker_plugin(plugin.name)
-            except Exception:  # the cluster is gone: nothing to release
-                pass
+            self._release(plugin.name)
         _log.info(
             "Sampled %d chains in %d segments; the step method was compiled %d time(s) on "
             "%d worker(s)", chains, self.segments, sum(self.compiled.values()),
             len(self.compiled),
         )  # fmt: skip
 
+    def _release(self, name: str) -> None:
+        """Drop the run's step methods from the workers.  With a worker silent, not from
+        it (Dask would wait 30 s to connect), and the plugin's removal, which the
+        scheduler sends to every worker, is left to a thread."""
+        try:
+            heard = self._heard or None
+            compiled = self.client.run(forget, self.token, workers=heard, on_error="return")
+            self.compiled = {a: n for a, n in compiled.items() if isinstance(n, int) and n}
+            if heard is None:
+                self.client.unregister_worker_plugin(name)
+            else:
+                threading.Thread(target=_unregister, args=(self.client, name), daemon=True,
+                                 name="dasktensor-release").start()  # fmt: skip
+        except Exception:  # the cluster is gone: nothing to release
+            pass
+
     def _run(self, runs, tune: int, length: int, recorder) -> None:
-        from distributed import as_completed
+        finished: queue.Queue = queue.Queue()  # futures, as they end (done callbacks)
+        pending: dict = {}  # future -> (run, last draw); a twin shares its original's
 
-        pending = {}
-
-        def submit(run: _Chain):
-            last = min(length, run.done + self._size(run))
+        def submit(run: _Chain, last: int | None = None, workers=None):
+            last = min(length, run.done + self._size(run)) if last is None else last
+            workers = workers or self._heard or None  # not to a silent worker
             future = self.client.submit(
                 run_segment, self.token, run.start, run.done, last, tune, length,
-                key=f"chain_{run.index}-{uuid.uuid4().hex}", pure=False,
+                key=f"chain_{run.index}-{uuid.uuid4().hex}", pure=False, workers=workers,
             )  # fmt: skip
             pending[future] = (run, last)
+            future.add_done_callback(finished.put)
             return future
 
-        queue = as_completed(
-            [submit(run) for run in runs if run.done < length], loop=self.client.loop
-        )
+        for run in runs:
+            if run.done < length:
+                submit(run)
+        silent = _config.seconds("sample.silent-worker")
+        looked = time.monotonic()
         try:
-            for future in queue:
+            while pending:
+                try:
+                    future = finished.get(timeout=1.0)
+                except queue.Empty:
+                    future = None
+                if time.monotonic() - looked >= 1.0:
+                    looked = time.monotonic()
+                    self._twin_silent(pending, silent, submit)
+                if future is None:
+                    continue
+                if future not in pending:  # its twin finished first, with the same draws
+                    continue
                 run, last = pending.pop(future)
+                twins = [f for f, (r, _) in pending.items() if r is run]
                 result = future.result()  # a model's error is raised here, remote traceback
+                for twin in twins:
+                    del pending[twin]
+                self.client.cancel(twins)
                 self.segments += 1
                 recorder.segment(run, last, result)
                 if run.done < length:
-                    queue.add(submit(run))
+                    submit(run)
         except KeyboardInterrupt:  # as pm.sample: stop, keep what was drawn
             self.client.cancel(list(pending))
         except BaseException:
             self.client.cancel(list(pending))
             raise
         recorder.finish(runs)
+
+    def _twin_silent(self, pending: dict, silent: float, submit) -> None:
+        """Run again elsewhere the segments of workers the scheduler has not heard from
+        for ``silent`` seconds (cut off the network, or frozen): Dask would wait for
+        ``worker-ttl`` (5 min) before it gives up on them.  A segment's draws follow
+        from its start, so whichever copy ends first gives the same draws."""
+        workers = self.client.scheduler_info()["workers"]
+        freshest = max((w["last_seen"] for w in workers.values()), default=0.0)
+        quiet = [a for a, w in workers.items() if freshest - w["last_seen"] > silent]
+        others = [a for a in workers if a not in quiet]
+        self._heard = others if quiet else []  # where new segments go meanwhile
+        if not quiet or not others:
+            return
+        running = {k for keys in self.client.processing(workers=quiet).values() for k in keys}
+        twinned = {id(r) for f, (r, _) in pending.items() if f.key not in running}
+        for future, (run, last) in list(pending.items()):
+            if future.key in running and id(run) not in twinned:
+                _log.info("chain %d: its worker is silent; running its segment elsewhere too",
+                          run.index)  # fmt: skip
+                submit(run, last, workers=others)
+                twinned.add(id(run))
 
     def _size(self, run: _Chain) -> int:
         if self.every:
@@ -238,6 +297,13 @@ class _Recorder:
         for run in runs:
             if run.index not in self.finished:
                 self.traces[run.index].close()
+
+
+def _unregister(client, name: str) -> None:
+    try:
+        client.unregister_worker_plugin(name)
+    except Exception:  # the cluster is gone, or the worker never answered
+        pass
 
 
 def _cloudpickled(step) -> bytes:

@@ -307,3 +307,41 @@ def test_a_cut_link_moves_a_shard_and_the_sums_stay_the_same():
             assert took < 15, took  # a probe (1.5 s) and a build, not Dask's 30 s
             for got, want in zip(f(points[2]), ref(points[2])):
                 np.testing.assert_allclose(got, want, rtol=1e-10)
+
+
+def test_a_cut_link_runs_its_segments_elsewhere_and_the_draws_stay_the_same():
+    """dt.sample with a chain on each worker host; one host's link is cut mid-run: the
+    scheduler stops hearing from it (its heartbeats), its segment runs again on the other
+    host after ``dasktensor.sample.silent-worker`` (5 s), not after ``worker-ttl``
+    (5 min), and the draws are those of the run without the fault."""
+    from distributed import Client
+
+    runs = dict(RUN, chains=2, draws=60, tune=60)
+    with Hosts(3) as hosts:
+        address = start_cluster(hosts)
+        with Client(address, timeout=60, set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=120)
+            t0 = time.monotonic()
+            with hierarchical():
+                calm = dt.sample(**runs, client=client, checkpoint_every=10)
+            calm_took = time.monotonic() - t0
+            ticks: dict[int, list[float]] = {0: [], 1: []}
+
+            def tick(draw, **_):
+                ticks[draw.chain].append(time.monotonic())
+
+            cutter = threading.Timer(1.0, hosts.cut, args=(1,))
+            t0 = time.monotonic()
+            cutter.start()
+            try:
+                with hierarchical():
+                    faulty = dt.sample(**runs, client=client, checkpoint_every=10, callback=tick)
+            finally:
+                cutter.join()
+            took = time.monotonic() - t0
+            stall = max(max(np.diff([t0, *t])) for t in ticks.values())
+            print(f"cut link: dt.sample took {took:.1f} s ({calm_took:.1f} s without the "
+                  f"cut); a chain waited at most {stall:.1f} s for a segment")  # fmt: skip
+            assert max(t[-1] for t in ticks.values()) - t0 > 1.0, "the cut came after the run"
+            assert_same_draws(faulty, calm)
+            assert took < calm_took + 60, (took, calm_took)  # not worker-ttl's 5 min
