@@ -85,13 +85,6 @@ def compiling():
         yield
 
 
-def process_compile_lock() -> threading.RLock:
-    """The lock :func:`compiling` holds in this process: for a caller that must release
-    it in the middle (``dt.sample`` holds it while ``pm.sample`` compiles, not while the
-    chains run)."""
-    return _compile_lock
-
-
 def _aligned(value):
     """Arrays deserialised from a network frame may be unaligned; compiled code refuses those."""
     if isinstance(value, np.ndarray) and not value.flags.aligned:

@@ -29,7 +29,6 @@ import threading
 import numpy as np
 
 from dasktensor._cluster import default_client, is_client, scheduler_workers
-from dasktensor._runners import process_compile_lock
 
 #: pm.sample arguments that say how to run chains in processes of this machine
 _REFUSED = {
@@ -131,9 +130,11 @@ progressbar, model
 
     runner = ChainRunner(client, every, open_store)
     # PyTensor's compilation is not thread-safe (two dt.sample calls in threads, on a
-    # cold compile cache: a failed Apply node, or draws off in the 12th digit): hold the
-    # process's compile lock while pm.sample compiles, not while the chains run (_dispatch)
-    with _chains_run_by(runner, client, chains), process_compile_lock():
+    # cold compile cache: a failed Apply node, or draws off in the 12th digit): one
+    # pm.sample prepares (compiles) at a time, the chains of all run at once (_dispatch).
+    # Not _runners.compiling()'s lock: preparing may wait for builds on in-process workers
+    # that take that one.
+    with _chains_run_by(runner, client, chains), _preparing:
         return pm.sample(
             draws,
             tune=tune,
@@ -266,6 +267,7 @@ def _store_opener(path, identity: dict, resume: bool):
 
 _active = threading.local()
 _patch_lock = threading.Lock()
+_preparing = threading.RLock()  # held while a pm.sample of dt.sample prepares its chains
 _patched = {"count": 0, "originals": None}
 
 
@@ -314,12 +316,11 @@ def _dispatch(name: str, original):
                 "dt.sample runs chains independently, as Dask tasks; population samplers "
                 "(DEMetropolis, DEMetropolisZ) move all chains together: use pm.sample"
             )
-        lock = process_compile_lock()
-        lock.release()  # taken by sample(): the chains run on the cluster meanwhile
+        _preparing.release()  # taken by sample(): the chains run on the cluster meanwhile
         try:
             return runner(**kwargs)
         finally:
-            lock.acquire()
+            _preparing.acquire()
 
     return run
 
