@@ -31,6 +31,7 @@ BENCHMARKS = {
     "p9": "bench_p9_sharding",
     "p10": "bench_p10_chains",
     "p11": "bench_p11_loglik_zarr",
+    "p12": "bench_p12_soak",
 }
 
 

@@ -47,14 +47,9 @@ def unavailable() -> str | None:
 
 
 class Hosts:
-    """A bridge and ``n`` hosts (network namespaces) with addresses ``10.R.S.11...``.
-
-    Examples
-    --------
-    >>> with Hosts(2) as hosts:  # doctest: +SKIP
-    ...     scheduler = hosts.scheduler(0)
-    ...     hosts.worker(1, scheduler)
-    """
+    """A bridge and ``n`` hosts (network namespaces) with addresses ``10.R.S.11...``;
+    ``Hosts(3)`` then ``scheduler(0)``, ``worker(1, address)``, ``worker(2, address)``
+    is a cluster of three hosts (see ``tests/test_multihost.py``)."""
 
     made = 0  # Hosts made by this process: each gets names and a subnet of its own
 

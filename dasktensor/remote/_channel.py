@@ -128,16 +128,25 @@ class Channel:
 
         The probe is a request for no model, which a live server answers at once with
         ``("missing", None)`` from its connection's thread, whatever its models are
-        doing; a silent network or a frozen process lets it time out."""
+        doing; a silent network or a frozen process lets it time out.  A refused or
+        reset connection is an answer too: the host is there, its call server is not
+        (removed, or its worker restarting), which the call's own outcome will tell."""
         try:
             conn = self.send(address, endpoint, security, (None, None, ()), timeout)
-        except OSError:
+        except (ConnectionRefusedError, ConnectionResetError, WireRefused):
+            return True
+        except OSError:  # timed out connecting, or no route: silent
             return False
         try:
-            if conn.readable(timeout) and conn.reply(timeout)[0] == "missing":
-                self.give_back(conn)
-                return True
-        except (OSError, EOFError):
+            if conn.readable(timeout):
+                answered = conn.reply(timeout)[0] == "missing"
+                if answered:
+                    self.give_back(conn)
+                    return True
+        except (ConnectionResetError, EOFError):  # closed as the probe arrived: there
+            conn.close()
+            return True
+        except OSError:
             pass
         conn.close()
         return False
