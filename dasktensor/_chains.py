@@ -129,27 +129,34 @@ class ChainRunner:
                 self._run(runs, tune, draws, recorder)
         finally:
             self._release(plugin.name)
-        _log.info(
-            "Sampled %d chains in %d segments; the step method was compiled %d time(s) on "
-            "%d worker(s)", chains, self.segments, sum(self.compiled.values()),
-            len(self.compiled),
-        )  # fmt: skip
+        if self.compiled:
+            _log.info(
+                "Sampled %d chains in %d segments; the step method was compiled %d time(s) "
+                "on %d worker(s)", chains, self.segments, sum(self.compiled.values()),
+                len(self.compiled),
+            )  # fmt: skip
+        else:  # the workers did not answer in time
+            _log.info("Sampled %d chains in %d segments", chains, self.segments)
 
     def _release(self, name: str) -> None:
-        """Drop the run's step methods from the workers.  With a worker silent, not from
-        it (Dask would wait 30 s to connect), and the plugin's removal, which the
-        scheduler sends to every worker, is left to a thread."""
-        try:
-            heard = self._heard or None
-            compiled = self.client.run(forget, self.token, workers=heard, on_error="return")
-            self.compiled = {a: n for a, n in compiled.items() if isinstance(n, int) and n}
-            if heard is None:
+        """Drop the run's step methods from the workers, in a thread waited for at most
+        ``sample.silent-worker``: a worker gone silent (known, or too recently to be
+        known) would hold up the caller for Dask's connect timeout (30 s)."""
+        counted: dict = {}
+
+        def release():
+            try:
+                heard = self._heard or None  # not to a worker known to be silent
+                found = self.client.run(forget, self.token, workers=heard, on_error="return")
+                counted.update((a, n) for a, n in found.items() if isinstance(n, int) and n)
                 self.client.unregister_worker_plugin(name)
-            else:
-                threading.Thread(target=_unregister, args=(self.client, name), daemon=True,
-                                 name="dasktensor-release").start()  # fmt: skip
-        except Exception:  # the cluster is gone: nothing to release
-            pass
+            except Exception:  # the cluster is gone: nothing to release
+                pass
+
+        thread = threading.Thread(target=release, name="dasktensor-release", daemon=True)
+        thread.start()
+        thread.join(_config.seconds("sample.silent-worker"))
+        self.compiled = dict(counted)
 
     def _run(self, runs, tune: int, length: int, recorder) -> None:
         finished: queue.Queue = queue.Queue()  # futures, as they end (done callbacks)
@@ -297,13 +304,6 @@ class _Recorder:
         for run in runs:
             if run.index not in self.finished:
                 self.traces[run.index].close()
-
-
-def _unregister(client, name: str) -> None:
-    try:
-        client.unregister_worker_plugin(name)
-    except Exception:  # the cluster is gone, or the worker never answered
-        pass
 
 
 def _cloudpickled(step) -> bytes:
