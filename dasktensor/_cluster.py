@@ -149,6 +149,18 @@ class SchedulerRef:
         self.address = state["address"]
         self.get = state["get"]
 
+    def running_client(self):
+        """The running Client this reference resolves to, without connecting one; None
+        if it would need a new one (for finalizers: connecting there can deadlock)."""
+        if self.client is not None and self.pid == os.getpid() and self.client.status == "running":
+            return self.client
+        if self.address is not None:
+            with _clients_lock:
+                client = _clients.get((os.getpid(), self.address))
+            return client if client is not None and client.status == "running" else None
+        found = default_client() if self.get is None else None
+        return found if found is not None and found.status == "running" else None
+
     def resolve(self):
         """Return ``("client", Client)`` or ``("get", scheduler_get_callable)``."""
         if self.client is not None and self.pid == os.getpid() and self.client.status == "running":

@@ -328,9 +328,11 @@ def _forget(key: str, scheduler) -> None:
 
 
 def _release_key(key: str, scheduler) -> None:
+    """Release ``key`` through the model's client if it still runs; never through a new
+    one (a client gone took the lease with it: the workers drop the replicas anyway)."""
     try:
-        kind, client = scheduler.resolve()
-        if kind == "client" and client.status == "running":
+        client = scheduler.running_client()
+        if client is not None:
             client.run(tasks.release, key, on_error="ignore")
     except Exception:  # the cluster is gone already: nothing left to release
         pass
