@@ -359,7 +359,9 @@ def test_a_cut_link_runs_its_segments_elsewhere_and_the_draws_stay_the_same():
             print(f"cut link: dt.sample took {took:.1f} s ({calm_took:.1f} s without the "
                   f"cut); a chain waited at most {stall:.1f} s for a segment")  # fmt: skip
             assert cutter.finished.is_set() and cut_at, "no host was cut"
-            assert stall > 1.0, stall  # a chain did wait for the silent host's segment
+            # a chain usually waits ~6 s here for the segment the silent host held; once
+            # on CI the cut came as that segment ended (no chain waited): the draws and
+            # the bound below are what must hold either way
             assert max(t[-1] for t in ticks.values()) - min(t[0] for t in ticks.values()) > 0.5
             assert_same_draws(faulty, calm)
             assert took < calm_took + 60, (took, calm_took)  # not worker-ttl's 5 min
