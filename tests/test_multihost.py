@@ -66,6 +66,20 @@ def host_of(address: str) -> str:
     return address.split("://")[1].rsplit(":", 1)[0]
 
 
+def sharded_regression(client):
+    """(logp+dlogp of a 4,000-row regression in 2 shards on ``client``, the same in
+    PyTensor's default mode)."""
+    import dask
+
+    model = regression(rows=4000)
+    settings = {"dasktensor.shard.min-rows": 1000, "dasktensor.shard.min-work": 0}
+    with dask.config.set(settings):
+        mode = dt.dask_mode(scheduler=client, shards=2)
+        f = model.logp_dlogp_function(ravel_inputs=True, mode=mode)._pytensor_function
+    assert f.maker.linker.sharded is not None
+    return f, model.logp_dlogp_function(ravel_inputs=True)._pytensor_function
+
+
 def test_the_workers_are_on_their_own_hosts(hosts, client):
     workers = sorted(host_of(a) for a in client.scheduler_info()["workers"])
     assert workers == hosts.addresses[1:]
@@ -135,15 +149,8 @@ def test_remote_model_calls_reach_both_hosts(client):
 
 
 def test_a_sharded_likelihood_spreads_over_the_hosts(client):
-    import dask
 
-    model = regression(rows=4000)
-    settings = {"dasktensor.shard.min-rows": 1000, "dasktensor.shard.min-work": 0}
-    with dask.config.set(settings):
-        mode = dt.dask_mode(scheduler=client, shards=2)
-        f = model.logp_dlogp_function(ravel_inputs=True, mode=mode)._pytensor_function
-    ref = model.logp_dlogp_function(ravel_inputs=True)._pytensor_function
-    assert f.maker.linker.sharded is not None
+    f, ref = sharded_regression(client)
     q = np.array([0.3, -0.2, 0.1])
     for got, want in zip(f(q), ref(q)):
         np.testing.assert_allclose(got, want, rtol=1e-10)
@@ -282,19 +289,13 @@ def test_a_cut_link_moves_a_shard_and_the_sums_stay_the_same():
     """A sharded log-density with a shard on each worker host; one host's link is cut:
     the next evaluation's call to that shard gets no answer to its probe, the shard is
     built again on the other host from the caller's rows, and the sums are unchanged."""
-    import dask
     from distributed import Client
 
     with Hosts(3) as hosts:
         address = start_cluster(hosts)
         with Client(address, timeout=60, set_as_default=False) as client:
             client.wait_for_workers(2, timeout=120)
-            model = regression(rows=4000)
-            settings = {"dasktensor.shard.min-rows": 1000, "dasktensor.shard.min-work": 0}
-            with dask.config.set(settings):
-                mode = dt.dask_mode(scheduler=client, shards=2)
-                f = model.logp_dlogp_function(ravel_inputs=True, mode=mode)._pytensor_function
-            ref = model.logp_dlogp_function(ravel_inputs=True)._pytensor_function
+            f, ref = sharded_regression(client)
             points = [np.array([0.3, -0.2, 0.1]) * k for k in (1.0, 0.5, -1.0)]
             for got, want in zip(f(points[0]), ref(points[0])):
                 np.testing.assert_allclose(got, want, rtol=1e-10)

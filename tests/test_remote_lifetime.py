@@ -50,6 +50,13 @@ def replicas_of(client, name: str) -> dict[str, int]:
     return held
 
 
+def logp_function(model):
+    """A compiled function of the model's ``logp_grad`` (it holds the Op, not ``model``)."""
+    op = model.logp_grad_op("logp_grad", [pt.dvector, pt.dscalar])
+    x, mu = pt.dvector("x"), pt.dscalar("mu")
+    return pytensor.function([x, mu], op(x, mu)[0])
+
+
 def eventually(check, seconds: float = 15.0):
     """Poll ``check()`` until it is truthy; its last value."""
     deadline = time.monotonic() + seconds
@@ -84,9 +91,7 @@ def test_replicas_live_while_their_model_does(two, tmp_path):
     long it waits, without building the model again."""
     log = tmp_path / "builds"
     model = dt.RemoteModel(lambda: Probe(str(log)), name="kept")
-    op = model.logp_grad_op("logp_grad", [pt.dvector, pt.dscalar])
-    x, mu = pt.dvector("x"), pt.dscalar("mu")
-    f = pytensor.function([x, mu], op(x, mu)[0])
+    f = logp_function(model)
     assert float(f(np.ones(3), 0.0)) == -1.5
     time.sleep(3)  # three lease checks on every worker
     assert replicas_of(two, "kept") == {model.key: 2}
@@ -101,9 +106,7 @@ def test_an_op_outliving_its_model_builds_it_again(two, tmp_path):
     that was dropped builds the model again and keeps it for the rest of the process."""
     log = tmp_path / "builds"
     model = dt.RemoteModel(lambda: Probe(str(log)), name="outlived")
-    op = model.logp_grad_op("logp_grad", [pt.dvector, pt.dscalar])
-    x, mu = pt.dvector("x"), pt.dscalar("mu")
-    f = pytensor.function([x, mu], op(x, mu)[0])
+    f = logp_function(model)
     assert float(f(np.ones(3), 0.0)) == -1.5
     key = model.key
     del model
