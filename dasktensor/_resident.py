@@ -103,6 +103,9 @@ class ResidentStages:
                 functools.partial(StageServer, runners[t.index]),
                 name=t.name,
                 resources=t.placement.resources,
+                # a compiled function lives as long as a notebook: its stages holding a
+                # GPU all along would keep every other task asking for it waiting
+                hold_resources=False,
                 retries=t.placement.retries or 0,
                 workers=t.placement.workers,
                 allow_other_workers=t.placement.allow_other_workers,

@@ -116,7 +116,9 @@ class ModelHost(WorkerPlugin):
             self.server.close()
         # swapped, not locked: a build holding the lock may run a slow factory, and this
         # runs on the worker's event loop
-        self.replicas = {}
+        dropped, self.replicas = self.replicas, {}
+        for replica in dropped.values():
+            replica.released.set()
 
     @property
     def endpoint(self) -> tuple[str, int, bool] | None:
@@ -129,14 +131,15 @@ class ModelHost(WorkerPlugin):
 
     def build(
         self, key: str, name: str, factory: Callable, concurrency: int, lease: str | None = None
-    ) -> None:
+    ) -> bool:
         """Build model ``key`` with ``factory()`` unless this worker holds it already;
-        keep it while task ``lease`` exists (None: until released)."""
+        keep it while task ``lease`` exists (None: until released).  Whether this call
+        built it."""
         with self.lock:  # one build per key, however many tasks ask at once
             if key in self.replicas:
                 if lease is not None:  # the creator's build, after another process's
                     self.leases[key] = lease
-                return
+                return False
             model = factory()
             if self.closed:
                 raise RuntimeError(
@@ -148,12 +151,17 @@ class ModelHost(WorkerPlugin):
             self.builds[key] = self.builds.get(key, 0) + 1
             if lease is not None:
                 self.leases[key] = lease
+            return True
 
     def release(self, key: str) -> bool:
         """Drop model ``key`` from this worker; whether it was held (a call running goes
         on to its end)."""
         self.leases.pop(key, None)
-        return self.replicas.pop(key, None) is not None
+        replica = self.replicas.pop(key, None)
+        if replica is None:
+            return False
+        replica.released.set()
+        return True
 
     async def check_leases(self, worker) -> None:
         """Drop the replicas whose lease the scheduler has forgotten (their creator let

@@ -39,6 +39,9 @@ class Replica:
         self.name = name
         self.concurrency = concurrency
         self.slots = threading.BoundedSemaphore(concurrency)
+        #: set once the worker drops the replica (released, lease gone, plugin removed):
+        #: ends the task that holds the model's resources (``tasks.hold_resources``)
+        self.released = threading.Event()
 
     def invoke(self, method: str | None, args: Sequence):
         """``model.<method>(*args)`` (``method=None``: the model itself), in this thread,

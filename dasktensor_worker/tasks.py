@@ -8,6 +8,7 @@ neither dasktensor nor PyTensor, so that building and finding a model costs a ba
 * :func:`build_replica`: the body of a model's build task (``build-<name>`` on the
   dashboard); it adds the :class:`~dasktensor_worker.plugin.ModelHost` plugin to its
   worker if needed.  :func:`lease`: the body of the task that keeps its replicas.
+  :func:`hold_resources`: the body of the task that keeps a replica's resources taken.
 * :func:`endpoint`, :func:`holds`, :func:`build_count`, :func:`release`, :func:`summary`:
   run on the workers with ``client.run`` (discovery and the call servers' addresses,
   ``RemoteModel.build_counts``, ``RemoteModel.close``, ``dt.cluster_summary``).
@@ -25,8 +26,9 @@ from collections.abc import Callable
 
 def build_replica(
     key: str, name: str, factory: Callable, concurrency: int, lease: str | None = None
-) -> str:
-    """Task body: build model ``key`` on this worker (once); the worker's address.
+) -> tuple[str, bool]:
+    """Task body: build model ``key`` on this worker (once); the worker's address, and
+    whether this task built it (False: the worker held it already).
 
     ``lease``: the key of a task its creator keeps wanted; the replica is dropped once
     the scheduler has forgotten it (see ``ModelHost.check_leases``)."""
@@ -35,8 +37,29 @@ def build_replica(
     from dasktensor_worker.plugin import ensure_host
 
     worker = get_worker()
-    ensure_host(worker).build(key, name, factory, concurrency, lease)
-    return worker.address
+    built = ensure_host(worker).build(key, name, factory, concurrency, lease)
+    return worker.address, built
+
+
+def hold_resources(key: str) -> bool:
+    """Task body of ``hold-<name>``: keep the resources this task was given (the model's
+    ``resources``) for as long as this worker holds a replica of model ``key``; whether
+    it held one.
+
+    The task leaves the worker's thread pool (``secede``): it takes no thread slot, but
+    Dask keeps its resources taken on the worker and on the scheduler until it ends, so
+    no other task asking for them runs beside the replica."""
+    from distributed import get_worker, secede
+
+    from dasktensor_worker.plugin import host_of
+
+    host = host_of(get_worker())
+    replica = None if host is None else host.replicas.get(key)
+    if replica is None:  # dropped before this task ran: nothing to hold
+        return False
+    secede()
+    replica.released.wait()
+    return True
 
 
 def lease() -> None:

@@ -54,7 +54,10 @@ class RemoteModel:
     name : str
         Shown on the dashboard (``build-<name>``) and in error messages.
     resources : dict, optional
-        Worker resources a replica needs, e.g. ``{"GPU": 1}``.
+        Worker resources a replica needs, e.g. ``{"GPU": 1}``.  Only workers offering
+        them build one, and each replica holds them while it lives (a ``hold-<name>``
+        task, see ``hold_resources``): Dask runs no other task asking for them beside
+        it.  Two models sharing one GPU each ask for a part of it, e.g. ``{"GPU": 0.5}``.
     replicas : int, optional
         How many workers hold the model.  By default every worker offering
         ``resources`` does, including workers that join later.
@@ -77,6 +80,9 @@ class RemoteModel:
         With ``False``, only the workers named in ``workers`` build replicas (Dask's
         meaning of the word): a call with none of them alive fails with
         ``RemoteModelError`` instead of moving elsewhere.  ``True`` by default.
+    hold_resources : bool
+        Whether each replica holds ``resources`` while it lives (``True``, the default),
+        or only while it is being built.
 
     Examples
     --------
@@ -115,6 +121,7 @@ class RemoteModel:
         scheduler=None,
         workers=None,
         allow_other_workers: bool = True,
+        hold_resources: bool = True,
     ):
         self._spec = _checked_spec(
             factory,
@@ -127,6 +134,7 @@ class RemoteModel:
             scheduler=scheduler,
             workers=workers,
             allow_other_workers=allow_other_workers,
+            hold_resources=hold_resources,
         )
         owned(self, self._spec)  # made here: its replicas live while it does
 
@@ -142,6 +150,7 @@ class RemoteModel:
     timeout = _option("timeout", "Seconds after which a call fails (None: no limit).")
     preferred_workers = _option("workers", "Workers the replicas are built on first (in order).")
     only_workers = _option("only_workers", "Whether replicas live on ``workers`` alone.")
+    hold_resources = _option("hold_resources", "Whether replicas hold ``resources`` while alive.")
 
     def __repr__(self) -> str:
         return repr(self._spec)
@@ -242,6 +251,7 @@ def _checked_spec(
     scheduler,
     workers,
     allow_other_workers,
+    hold_resources,
 ) -> ModelSpec:
     """``RemoteModel``'s options, checked, as a :class:`ModelSpec` with a fresh key."""
     if not callable(factory):
@@ -257,6 +267,10 @@ def _checked_spec(
     for option, value, low in (("replicas", replicas, 1), ("concurrency", concurrency, 1)):
         if value is not None and not (isinstance(value, int) and value >= low):
             raise ValueError(f"RemoteModel({option}=...) expected an int >= {low}, got {value!r}")
+    if not isinstance(hold_resources, bool):
+        raise TypeError(
+            f"RemoteModel(hold_resources=...) expected True or False, got {hold_resources!r}"
+        )
     if not (isinstance(retries, int) and retries >= 0):
         raise ValueError(f"RemoteModel(retries=...) expected an int >= 0, got {retries!r}")
     if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
@@ -276,5 +290,6 @@ def _checked_spec(
         scheduler=SchedulerRef(scheduler),
         workers=placement.workers,
         only_workers=placement.workers is not None and not placement.allow_other_workers,
+        hold_resources=hold_resources,
     )
     return spec

@@ -1,12 +1,17 @@
 """The caller's view of a model's replicas: found or built through Dask, refreshed, dropped.
 
-* **Placement is Dask's.**  A replica is built by an ordinary task (``build-<name>`` on
-  the dashboard, body ``dasktensor_worker.tasks.build_replica``) that carries the model's
-  ``resources``, so only workers offering them build one: on each eligible worker
-  (``replicas=None``) or on ``replicas`` of them: the model's preferred ``workers`` first
-  (in their order, those alive), then starting at a worker that depends on the model's
-  key, so that models spread over the workers.  ``factory()`` runs once per worker
-  (the worker's ``ModelHost`` builds each key once).
+* **Placement.**  A replica is built by an ordinary task (``build-<name>`` on the
+  dashboard, body ``dasktensor_worker.tasks.build_replica``) pinned to a worker that
+  offers the model's ``resources`` (the scheduler's view of the workers): on each such
+  worker (``replicas=None``) or on ``replicas`` of them: the model's preferred
+  ``workers`` first (in their order, those alive), then starting at a worker that
+  depends on the model's key, so that models spread over the workers.  ``factory()``
+  runs once per worker (the worker's ``ModelHost`` builds each key once).
+* **Resources held.**  While a replica lives, a seceded task on its worker
+  (``hold-<name>``, body ``dasktensor_worker.tasks.hold_resources``) holds the model's
+  ``resources``: Dask runs no other task asking for them beside the replica.  It ends
+  when the worker drops the replica.  The build task asks for none (it would wait
+  behind the holder of a replica another process built there meanwhile).
 * **Discovery asks the workers** (``client.run(endpoint, key)``): which hold a replica,
   and where their call servers listen; so another process (a sampler child, an
   unpickled copy) finds the replicas this one built.
@@ -131,6 +136,9 @@ class ReplicaSet:
         """Forget the replica at ``address`` (its worker failed, or no longer holds it)."""
         with self.lock:  # a new list: other threads may be reading the old one
             self.addresses = [a for a in self.addresses if a != address]
+        hold = _holds.get(self.spec.key, {}).pop(address, None)
+        if hold is not None:  # its worker is gone, or it ended with the replica
+            hold.cancel()
         get_channel().forget(address)
 
     def _ensure(self) -> None:
@@ -201,9 +209,13 @@ class ReplicaSet:
         if len(holders) < wanted:
             free = [a for a in eligible if a not in holders]
             targets = _in_order(spec, free, workers)[: wanted - len(holders)]
+            # Placed on the chosen worker only; with no resources when the replica holds
+            # them (see _hold_resources): a build asking for them would wait behind the
+            # holder of a replica another process built there meanwhile.
+            hold = bool(spec.resources) and spec.hold_resources
             with carrying(getattr(spec.factory, "nbytes", 0)):
-                futures = [
-                    submit(
+                futures = {
+                    a: submit(
                         client,
                         tasks.build_replica,
                         spec.key,
@@ -213,17 +225,51 @@ class ReplicaSet:
                         _lease_of(spec, client),
                         key=f"build-{spec.name}-{uuid.uuid4().hex}",
                         placement=Placement(
-                            resources=spec.resources or None,
-                            workers=[a],
-                            allow_other_workers=True,
+                            resources=None if hold else spec.resources or None, workers=[a]
                         ),
                     )
                     for a in targets
-                ]
+                }
             with task_slot_released():  # (called from a task: see there)
-                built = client.gather(futures)  # a factory's error is raised here
-            held.update(_endpoints(client, spec.key, [a for a in built if a not in held]))
+                built = _gather_builds(client, futures)  # a factory's error is raised here
+            if hold:
+                _hold_resources(spec, client, [a for a, new in built if new])
+            held.update(_endpoints(client, spec.key, [a for a, _ in built if a not in held]))
         return held
+
+
+def _gather_builds(client, futures: dict) -> list[tuple[str, bool]]:
+    """The results of the build tasks ``futures`` (worker address -> Future) whose
+    workers stayed: a build pinned to a worker that left would wait for it for ever."""
+    pending, results = dict(futures), []
+    while pending:
+        address, future = next(iter(pending.items()))
+        try:
+            results.append(future.result(timeout=1))
+            del pending[address]
+        except TimeoutError:
+            if future.status == "error":  # the factory's own TimeoutError
+                raise
+            alive = scheduler_workers(client)
+            for gone in [a for a in pending if a not in alive]:
+                pending.pop(gone).cancel()
+    return results
+
+
+def _hold_resources(spec: ModelSpec, client, addresses: list[str]) -> None:
+    """Take the model's ``resources`` on each of ``addresses`` (workers that have just
+    built a replica) for as long as the replica lives there: one seceded task each
+    (``hold-<name>``, see ``dasktensor_worker.tasks.hold_resources``), kept wanted by
+    this process until the replica is dropped."""
+    held = _holds.setdefault(spec.key, {})
+    for address in addresses:
+        held[address] = submit(
+            client,
+            tasks.hold_resources,
+            spec.key,
+            key=f"hold-{spec.name}-{uuid.uuid4().hex}",
+            placement=Placement(resources=spec.resources, workers=[address]),
+        )
 
 
 def _answering(workers: dict[str, dict], known: dict[str, tuple], security) -> dict:
@@ -319,6 +365,7 @@ def _forget(key: str, scheduler) -> None:
     also in a thread that holds one of this module's."""
     _sets.pop(key, None)
     _leases.pop(key, None)
+    _holds.pop(key, None)
     try:
         threading.Thread(
             target=_release_key, args=(key, scheduler), name="dasktensor-release", daemon=True
@@ -371,6 +418,7 @@ def build_counts(spec: ModelSpec) -> dict[str, int]:
 def release(spec: ModelSpec) -> None:
     """Drop the model's replicas from the workers, and this process's state of them."""
     _leases.pop(spec.key, None)
+    _holds.pop(spec.key, None)
     spec.client().run(tasks.release, spec.key)
     with _sets_lock:
         _sets.pop(spec.key, None)
@@ -392,6 +440,8 @@ _sets_lock = threading.Lock()
 # the specs created in this process, and the leases it holds for them (key -> Future)
 _owned: weakref.WeakSet[ModelSpec] = weakref.WeakSet()
 _leases: dict = {}
+# the tasks holding the resources of the replicas this process built: key -> {address: Future}
+_holds: dict[str, dict] = {}
 _inherited: list = []
 # calls this process has in flight per worker, over all models: independent calls of
 # different models go to different workers too
@@ -410,6 +460,8 @@ def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
     _owned.clear()  # a forked sampler is not the owner: its parent holds the leases
     _inherited.extend(_leases.values())  # kept: releasing them here would wake the
     _leases.clear()  # parent's event loop through the pipe the two share
+    _inherited.extend(f for held in _holds.values() for f in held.values())
+    _holds.clear()
     _inflight.clear()
     _inflight_lock = threading.Lock()
     _suspects.clear()

@@ -53,6 +53,8 @@ class ModelSpec:
         Workers to build replicas on first, in order (None: any eligible worker).
     only_workers : bool
         Replicas live on ``workers`` alone (``allow_other_workers=False``).
+    hold_resources : bool
+        Each replica holds ``resources`` while it lives (else only its build does).
     """
 
     key: str
@@ -66,6 +68,7 @@ class ModelSpec:
     scheduler: SchedulerRef
     workers: tuple[str, ...] | None = None
     only_workers: bool = False
+    hold_resources: bool = True
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ModelSpec) and other.key == self.key
