@@ -19,6 +19,7 @@ from dasktensor._callable_ops import arrays_to_arrays_op as arrays_to_arrays_op
 from dasktensor._callable_ops import logp_grad_op as logp_grad_op
 from dasktensor._callable_ops import logp_op as logp_op
 from dasktensor._cluster import NoWorkerWithResourcesError as NoWorkerWithResourcesError
+from dasktensor._cluster import SchedulerLostError as SchedulerLostError
 from dasktensor._cluster import calls_link as calls_link
 from dasktensor._connect import connect as connect
 from dasktensor._function import DaskFunction as DaskFunction
@@ -65,6 +66,7 @@ __all__ = [
     "Plan",
     "RemoteModel",
     "RemoteModelError",
+    "SchedulerLostError",
     "StoreMismatchError",
     "Task",
     "annotate",

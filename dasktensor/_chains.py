@@ -143,6 +143,9 @@ class ChainRunner:
         ``sample.silent-worker``: a worker gone silent (known, or too recently to be
         known) would hold up the caller for Dask's connect timeout (30 s)."""
         counted: dict = {}
+        if self.client.status != "running":  # the scheduler is lost: its workers too
+            self.compiled = {}
+            return
 
         def release():
             try:
@@ -184,6 +187,10 @@ class ChainRunner:
                     future = finished.get(timeout=1.0)
                 except queue.Empty:
                     future = None
+                if self.client.status != "running":  # asking the scheduler would wait
+                    raise ConnectionError(  # for the client to reconnect (its timeout)
+                        f"the client lost its scheduler (it is {self.client.status})"
+                    )
                 if time.monotonic() - looked >= 1.0:
                     looked = time.monotonic()
                     self._twin_silent(pending, silent, submit)

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -163,8 +164,17 @@ class SchedulerRef:
 
     def resolve(self):
         """Return ``("client", Client)`` or ``("get", scheduler_get_callable)``."""
-        if self.client is not None and self.pid == os.getpid() and self.client.status == "running":
-            return "client", self.client
+        kind, found = self._resolve()
+        if kind == "client":  # kept to name it if it closes (see closed_client)
+            self.last = (weakref.ref(found), found.scheduler.address)
+        return kind, found
+
+    def _resolve(self):
+        if self.client is not None and self.pid == os.getpid():
+            # reconnecting: this one, whose state tells the caller the scheduler is lost
+            # (a new client to its address would wait for the connect timeout)
+            if self.client.status in ("running", "connecting"):
+                return "client", self.client
         if self.address is not None:
             return "client", client_for_address(self.address)
         get = get_scheduler(scheduler=self.get)
@@ -173,6 +183,15 @@ class SchedulerRef:
         if get is None and _inherited_addresses:
             return "client", client_for_address(_inherited_addresses[-1])
         return "get", get or dask.threaded.get
+
+    def closed_client(self) -> str | None:
+        """The scheduler address of the client this reference last resolved to, if that
+        client is closed now (by the program, or after losing its scheduler)."""
+        ref, address = getattr(self, "last", (lambda: None, None))
+        client = ref()
+        if client is None or client.status == "running":
+            return None
+        return address
 
 
 # ----------------------------------------------------------------------------- workers
@@ -194,6 +213,32 @@ def offers(worker_resources: dict, wanted: dict | None) -> bool:
 
 class NoWorkerWithResourcesError(RuntimeError):
     """No worker of the cluster offers the resources that a task asks for."""
+
+
+class SchedulerLostError(ConnectionError):
+    """The client lost its scheduler (killed, restarted, out of reach) mid-run.
+
+    Dask's workers close when they lose their scheduler, and a client gives up
+    reconnecting after its ``timeout`` (``distributed.comm.timeouts.connect``): the
+    cluster must be started again (``dt.sample(..., resume=True)`` then continues a run
+    that had a ``store=``).
+    """
+
+
+def lost_scheduler(client, error: BaseException | None = None) -> bool:
+    """Whether ``error`` (raised by Dask while running work on ``client``) comes from
+    losing the scheduler: the client is reconnecting or closed, or Dask says so.
+
+    >>> class Client:
+    ...     status = "running"
+    >>> lost_scheduler(Client(), RuntimeError("x cancelled for reason: scheduler-connection-lost."))
+    True
+    >>> lost_scheduler(Client(), ValueError("the model's own error"))
+    False
+    """
+    if getattr(client, "status", "running") in ("connecting", "closing", "closed", "failed"):
+        return True
+    return "scheduler-connection-lost" in str(error or "")
 
 
 _resources_seen: dict[tuple[int, str], tuple[float, list[dict]]] = {}

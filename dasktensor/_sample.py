@@ -28,7 +28,13 @@ import threading
 
 import numpy as np
 
-from dasktensor._cluster import default_client, is_client, scheduler_workers
+from dasktensor._cluster import (
+    SchedulerLostError,
+    default_client,
+    is_client,
+    lost_scheduler,
+    scheduler_workers,
+)
 
 #: pm.sample arguments that say how to run chains in processes of this machine
 _REFUSED = {
@@ -134,7 +140,7 @@ progressbar, model
     # pm.sample prepares (compiles) at a time, the chains of all run at once (_dispatch).
     # Not _runners.compiling()'s lock: preparing may wait for builds on in-process workers
     # that take that one.
-    with _chains_run_by(runner, client, chains), _preparing:
+    with _chains_run_by(runner, client, chains), _preparing, _scheduler_lost(client, store):
         return pm.sample(
             draws,
             tune=tune,
@@ -152,6 +158,34 @@ progressbar, model
             blas_cores=None,
             **kwargs,
         )
+
+
+@contextlib.contextmanager
+def _scheduler_lost(client, store):
+    """Raise :class:`~dasktensor.SchedulerLostError` for Dask's errors of a lost
+    scheduler (a cancelled segment, a registration on a client that gave up
+    reconnecting), saying where the draws so far are and how to continue."""
+    address = client.scheduler.address
+    try:
+        yield
+    except Exception as e:
+        if not lost_scheduler(client, e):
+            raise
+        if store is None:
+            then = (
+                "the draws so far are lost with it: pass store='run.zarr' to keep them "
+                "through such a failure and continue with resume=True"
+            )
+        else:
+            then = (
+                f"the finished segments are in {str(store)!r}: once the cluster runs "
+                f"again, dt.sample(..., store={str(store)!r}, resume=True) continues"
+            )
+        raise SchedulerLostError(
+            f"dt.sample lost the scheduler at {address} (the client is {client.status}; "
+            f"Dask's workers close with their scheduler): {then}.  Dask said: "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 # ----------------------------------------------------------------------------- checks
@@ -238,8 +272,15 @@ def _identity(model, seed, draws, tune, init, initvals, options) -> dict:
         "tune": int(tune),
         "init": str(init),
         "initvals": tokenize(initvals),
-        "options": tokenize(sorted((k, _describe(v)) for k, v in options.items())),
+        "options": tokenize(
+            sorted((k, _describe(v)) for k, v in options.items() if k not in _NOT_IDENTITY)
+        ),
     }
+
+
+#: pm.sample options that change what the caller sees, not the draws: a run resumed
+#: without its progress callback is the same run
+_NOT_IDENTITY = {"callback", "return_inferencedata", "keep_warning_stat", "progressbar_theme"}
 
 
 def _describe(value):

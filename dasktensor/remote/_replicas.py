@@ -49,8 +49,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dasktensor import _config
 from dasktensor._cluster import (
+    SchedulerLostError,
     carrying,
     check_resources,
+    lost_scheduler,
     offers,
     scheduler_workers,
     show_calls_page,
@@ -109,7 +111,10 @@ class ReplicaSet:
         """Whether the scheduler still has the worker at ``address`` (True when it cannot
         be asked: the call's own failure will tell)."""
         try:
-            return address in scheduler_workers(self.spec.client())
+            client = self.spec.client()
+            if lost_scheduler(client):  # its workers close with it; asking would wait
+                return False  # for the client to reconnect
+            return address in scheduler_workers(client)
         except Exception:
             return True
 
@@ -186,6 +191,12 @@ class ReplicaSet:
 
     def _find_or_build_alone(self, client) -> dict[str, tuple]:
         spec = self.spec
+        if lost_scheduler(client):  # asking it would wait for the client to reconnect
+            raise SchedulerLostError(
+                f"{spec!r}: the client lost its scheduler at {client.scheduler.address} "
+                f"(it is {client.status}; Dask's workers close with their scheduler): once "
+                "the cluster runs again, dt.connect(...) and call again"
+            )
         if spec.resources:
             check_resources(client, [Placement(resources=spec.resources)])
         workers = _answering(scheduler_workers(client), self.endpoints, self.security)
@@ -198,7 +209,7 @@ class ReplicaSet:
                     f"on these alone), the cluster at {client.scheduler.address} has "
                     f"{sorted(workers) or 'no workers'}"
                 )
-        if not eligible:  # pragma: no cover - check_resources waits for such workers
+        if not eligible:
             raise RemoteModelError(
                 f"{spec!r}: expected workers to build the model on, the cluster at "
                 f"{client.scheduler.address} has none; start some (`dask worker ADDRESS`)"

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dasktensor._cluster import SchedulerRef
+from dasktensor._cluster import SchedulerLostError, SchedulerRef
 
 
 class RemoteModelError(RuntimeError):
@@ -81,7 +81,19 @@ class ModelSpec:
 
     def client(self):
         """The distributed Client of the model's cluster, or :class:`RemoteModelError`."""
-        kind, client = self.scheduler.resolve()
+        try:
+            kind, client = self.scheduler.resolve()
+        except OSError as e:  # a client to its address could not connect
+            raise SchedulerLostError(
+                f"{self!r}: no scheduler answers at {self.scheduler.address} ({e}); once "
+                "the cluster runs again, call again"
+            ) from e
+        if kind != "client" and (gone := self.scheduler.closed_client()) is not None:
+            raise SchedulerLostError(
+                f"{self!r}: the client of the scheduler at {gone} it used is closed (by "
+                "this program, or after losing its scheduler: Dask's workers close with "
+                "it); once the cluster runs again, dt.connect(...) and call again"
+            )
         if kind != "client":
             raise RemoteModelError(
                 f"{self!r} needs a Dask cluster: call dt.connect() first (an embedded cluster "
