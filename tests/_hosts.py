@@ -8,8 +8,9 @@ scheduler and the workers as users start them, with the ``dask`` command line.
 
 A host's link can be cut (``ip link set eth0 down`` inside it): its processes live on,
 but nothing they send arrives and nothing reaches them, and nobody gets a reset: the
-silent network of a pulled cable or a dead switch port.  This kernel has no ``netem``
-qdisc, so packet loss and delay are tried only where ``tc qdisc add ... netem`` works.
+silent network of a pulled cable or a dead switch port.  Packets can be dropped at random
+(:meth:`Hosts.lose`, with nftables: this kernel has no ``netem`` qdisc, so added delay is
+not tried).
 
 Everything is stopped by PID and removed when the :class:`Hosts` closes.  It needs
 CAP_NET_ADMIN (root): :func:`unavailable` says why not, for a skip.
@@ -18,6 +19,7 @@ CAP_NET_ADMIN (root): :func:`unavailable` says why not, for a skip.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,6 +32,13 @@ DASK = str(Path(sys.executable).with_name("dask"))
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def no_packet_loss() -> str | None:
+    """Why :meth:`Hosts.lose` cannot work here, or None if it can."""
+    if shutil.which("nft") is None:
+        return "no `nft` command (nftables); .ci/run installs it"
+    return unavailable()
 
 
 def unavailable() -> str | None:
@@ -129,6 +138,38 @@ class Hosts:
         """Start ``dask worker`` (with its nanny) in host ``i``."""
         return self.start(i, DASK, "worker", scheduler, "--host", self.addresses[i],
                           "--nthreads", "1", "--no-dashboard", *options, env=env)  # fmt: skip
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        """Kill ``proc`` (one started here) and its children at once, as a crash does."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+        self.processes.remove(proc)
+
+    def lose(self, i: int, percent: int) -> None:
+        """Drop ``percent`` % of the packets host ``i`` sends and receives, at random
+        (nftables in its namespace; ``percent=0`` stops it).  TCP resends them: what
+        users see is late replies, not lost ones."""
+        if "table inet loss" in self.run(i, "nft", "list", "tables"):
+            self.run(i, "nft", "delete", "table", "inet", "loss")
+        if percent == 0:
+            return
+        self.run(i, "nft", "add", "table", "inet", "loss")
+        for chain, hook, side in (("in", "input", "iifname"), ("out", "output", "oifname")):
+            self.run(i, "nft", "add", "chain", "inet", "loss", chain,
+                     f"{{ type filter hook {hook} priority 0; }}")  # fmt: skip
+            self.run(i, "nft", "add", "rule", "inet", "loss", chain, side, "eth0",
+                     "numgen", "random", "mod", "100", "<", str(percent),
+                     "counter", "drop")  # fmt: skip
+
+    def dropped(self, i: int) -> int:
+        """Packets :meth:`lose` has dropped on host ``i`` so far (0 without loss)."""
+        if "table inet loss" not in self.run(i, "nft", "list", "tables"):
+            return 0
+        listed = self.run(i, "nft", "list", "table", "inet", "loss")
+        return sum(int(n) for n in re.findall(r"counter packets (\d+)", listed))
 
     def cut(self, i: int) -> None:
         """Silence host ``i``'s link: its processes live on, nothing crosses."""

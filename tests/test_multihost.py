@@ -22,7 +22,7 @@ import pymc as pm
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from _hosts import Hosts, unavailable
+from _hosts import Hosts, no_packet_loss, unavailable
 from _models import Probe
 from _sample_models import PICKLED, RUN, assert_same_draws, hierarchical, regression
 
@@ -285,6 +285,44 @@ def test_a_cut_link_moves_the_remote_calls_and_the_draws_stay_the_same():
                 m.close()
 
 
+@pytest.mark.skipif(no_packet_loss() is not None, reason=f"packet loss: {no_packet_loss()}")
+def test_lost_packets_delay_results_but_never_change_them(hosts, client):
+    """5 % of a worker host's packets dropped, both ways (TCP resends them): remote-model
+    calls and a sharded log-density with a shard on that host give exactly what they
+    give without loss."""
+    model = dt.RemoteModel(Probe, name="lossy", scheduler=client)
+    assert len(model.start()) == 2
+    f, ref = sharded_regression(client)
+    here = Probe()
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=50) for _ in range(400)]
+    points = [np.array([0.3, -0.2, 0.1]) * k for k in np.linspace(-1, 1, 20)]
+
+    def run() -> float:
+        t0 = time.monotonic()
+        for x in xs:
+            got, want = model.call("logp_grad", x, 0.5), here.logp_grad(x, 0.5)
+            assert got[0] == want[0] and np.array_equal(got[1], want[1])
+        for q in points:
+            for got, want in zip(f(q), ref(q)):
+                np.testing.assert_allclose(got, want, rtol=1e-10)
+        return time.monotonic() - t0
+
+    run()  # connections made, everything warm
+    calm = run()
+    hosts.lose(1, 5)
+    try:
+        lossy = run()
+        dropped = hosts.dropped(1)
+    finally:
+        hosts.lose(1, 0)
+    print(f"5 % packet loss on a worker host ({dropped} packets dropped): {len(xs)} calls "
+          f"and {len(points)} sharded evaluations took {lossy:.2f} s ({calm:.2f} s "
+          "without)")  # fmt: skip
+    assert dropped > 0, "no packet was dropped"
+    model.close()
+
+
 def test_a_cut_link_moves_a_shard_and_the_sums_stay_the_same():
     """A sharded log-density with a shard on each worker host; one host's link is cut:
     the next evaluation's call to that shard gets no answer to its probe, the shard is
@@ -366,3 +404,80 @@ def test_a_cut_link_runs_its_segments_elsewhere_and_the_draws_stay_the_same():
             assert max(t[-1] for t in ticks.values()) - min(t[0] for t in ticks.values()) > 0.5
             assert_same_draws(faulty, calm)
             assert took < calm_took + 60, (took, calm_took)  # not worker-ttl's 5 min
+
+
+# ----------------------------------------------------------------------------- a lost scheduler
+
+
+def restart_cluster(hosts: Hosts) -> None:
+    """Kill every process of the cluster (scheduler, nannies, workers), start it again
+    at the same addresses."""
+    for proc in list(hosts.processes):
+        hosts.stop(proc)
+    start_cluster(hosts)
+
+
+def test_a_killed_scheduler_stops_dt_sample_clearly_and_the_run_resumes(tmp_path):
+    """The scheduler killed mid-run (Dask's workers close with it): dt.sample raises
+    SchedulerLostError at once, naming the store to resume from; with the cluster
+    started again, ``resume=True`` finishes the run with the draws of a run without
+    the fault."""
+    from distributed import Client
+
+    runs = dict(RUN, chains=2, draws=100, tune=100)
+    store = tmp_path / "run.zarr"
+    with Hosts(3) as hosts:
+        address = start_cluster(hosts)
+        with Client(address, timeout=60, set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=120)
+            with hierarchical():
+                calm = dt.sample(**runs, client=client, checkpoint_every=10)
+            scheduler = hosts.processes[0]
+            done: list[int] = []
+
+            def kill_midway(draw, **_):
+                done.append(draw.chain)
+                if len(done) == 120:  # some segments stored, most of the run to go
+                    killed_at.append(time.monotonic())
+                    hosts.stop(scheduler)
+
+            killed_at: list[float] = []
+            with pytest.raises(dt.SchedulerLostError) as info, hierarchical():
+                dt.sample(**runs, client=client, checkpoint_every=10, store=str(store),
+                          callback=kill_midway)  # fmt: skip
+            waited = time.monotonic() - killed_at[0]
+        message = str(info.value)
+        assert address in message and f"store='{store}', resume=True" in message, message
+        print(f"killed scheduler: dt.sample raised after {waited:.2f} s")
+        assert waited < 30, waited  # not a hang: Dask reports the lost connection
+
+        restart_cluster(hosts)
+        with Client(address, timeout=60, set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=120)
+            with hierarchical():
+                resumed = dt.sample(**runs, client=client, checkpoint_every=10,
+                                    store=str(store), resume=True)  # fmt: skip
+    assert_same_draws(resumed, calm)
+
+
+def test_a_killed_scheduler_fails_remote_calls_clearly():
+    """Calls of a remote model while its scheduler is killed: the workers close with it,
+    and the next call raises SchedulerLostError naming the scheduler, within the
+    client's reconnection timeout, never hangs."""
+    from distributed import Client
+
+    with Hosts(3) as hosts:
+        address = start_cluster(hosts)
+        with Client(address, timeout=10, set_as_default=False) as client:
+            client.wait_for_workers(2, timeout=120)
+            model = dt.RemoteModel(Probe, name="probe", scheduler=client)
+            assert len(model.start()) == 2
+            hosts.stop(hosts.processes[0])
+            t0, answered = time.monotonic(), 0
+            with pytest.raises(dt.SchedulerLostError, match=address.replace(".", r"\.")):
+                for answered in range(10**6):  # noqa: B007  (counted)
+                    model.call("logp_grad", np.ones(2), 0.0)
+            waited = time.monotonic() - t0
+            print(f"killed scheduler: {answered} calls answered, then one raised after "
+                  f"{waited:.2f} s")  # fmt: skip
+            assert waited < 60, waited
