@@ -1,7 +1,7 @@
 """The dashboard reads like the model: headless Chromium renders the task stream of a job.
 
-Debian's Chromium (``/usr/bin/chromium``) is driven with Playwright, launched from that
-binary (``executable_path``: no browser is downloaded); the tests skip only when the
+Debian's Chromium (``/usr/bin/chromium``) is driven with Playwright (``_browser.py``:
+launched from that binary, no browser is downloaded); the tests skip only when the
 chromium binary is absent.  Playwright's async API runs in ``asyncio.run`` while a job
 runs: its sync API would leave its event loop marked as running in the main thread, where
 the tests also start and close the cluster's client.
@@ -18,7 +18,6 @@ import contextlib
 import functools
 import os
 import shutil
-import tempfile
 import threading
 import time
 
@@ -26,15 +25,13 @@ import dask
 import numpy as np
 import pytensor.tensor as pt
 import pytest
+from _browser import browser_page, chromium_or_skip
 from _ops import Scale
-from playwright.async_api import Page, async_playwright
+from playwright.async_api import Page
 
 import dasktensor as dt
 
 WIDTH, HEIGHT = 1280, 720
-CHROMIUM = shutil.which("chromium") or (
-    "/usr/bin/chromium" if os.access("/usr/bin/chromium", os.X_OK) else None
-)
 
 # The names in the task stream, read from the page's Bokeh document: the ColumnDataSource
 # of the task-stream plot (columns key, name, worker_thread, ...) as the browser holds it.
@@ -106,31 +103,7 @@ NEXT_FRAME_JS = "new Promise((r) => requestAnimationFrame(() => requestAnimation
 @pytest.fixture
 def chromium():
     """The chromium binary the tests launch."""
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium; see .ci/run)")
-    return CHROMIUM
-
-
-@contextlib.asynccontextmanager
-async def browser_page(chromium: str):
-    """A ``WIDTH`` x ``HEIGHT`` page of headless ``chromium``, closed on exit.
-
-    Crash reports ($XDG_CONFIG_HOME) and shared memory files ($TMPDIR, as Playwright
-    passes --disable-dev-shm-usage) go to a temporary directory removed on exit: one with
-    a short path, as Chromium's singleton socket is made in $TMPDIR.
-    """
-    with tempfile.TemporaryDirectory(prefix="dasktensor-chromium-") as scratch:
-        dirs = dict.fromkeys(["XDG_CONFIG_HOME", "XDG_CACHE_HOME", "TMPDIR"], scratch)
-        async with async_playwright() as playwright:
-            browser = await playwright.chromium.launch(
-                executable_path=chromium, env={**os.environ, **dirs}
-            )
-            try:
-                yield await browser.new_page(
-                    viewport={"width": WIDTH, "height": HEIGHT}, device_scale_factor=1
-                )
-            finally:
-                await browser.close()
+    return chromium_or_skip()
 
 
 @pytest.fixture
@@ -268,7 +241,7 @@ async def look_at_task_stream(page: Page, page_url: str, job: Job, failed_png):
 
 async def task_stream_in_chromium(chromium: str, page_url: str, job: Job, failed_png):
     """:func:`look_at_task_stream` in a page of headless ``chromium``."""
-    async with browser_page(chromium) as page:
+    async with browser_page(chromium, WIDTH, HEIGHT) as page:
         return await look_at_task_stream(page, page_url, job, failed_png)
 
 
@@ -360,7 +333,7 @@ class Sampler:
 
 async def look_at_calls_page(chromium: str, page_url: str, sampler: Sampler):
     """Load the calls page while the sampler runs; return its table and a screenshot."""
-    async with browser_page(chromium) as page:
+    async with browser_page(chromium, WIDTH, HEIGHT) as page:
         await page.goto(page_url)
 
         async def both_models_called():
