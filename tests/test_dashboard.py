@@ -1,7 +1,10 @@
 """The dashboard reads like the model: headless Chromium renders the task stream of a job.
 
-Debian's Chromium is driven through its DevTools protocol (``_browser.py``); the test
-skips only when the chromium binary is absent.
+Debian's Chromium (``/usr/bin/chromium``) is driven with Playwright (``_browser.py``:
+launched from that binary, no browser is downloaded); the tests skip only when the
+chromium binary is absent.  Playwright's async API runs in ``asyncio.run`` while a job
+runs: its sync API would leave its event loop marked as running in the main thread, where
+the tests also start and close the cluster's client.
 
 The screenshot is kept as a test artifact under pytest's ``tmp_path``, and copied to
 ``$DASKTENSOR_SCREENSHOT_DIR/dashboard.png`` when that variable is set (how
@@ -11,7 +14,6 @@ The screenshot is kept as a test artifact under pytest's ``tmp_path``, and copie
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import functools
 import os
@@ -23,8 +25,9 @@ import dask
 import numpy as np
 import pytensor.tensor as pt
 import pytest
-from _browser import CHROMIUM, DevTools, headless_chromium
+from _browser import browser_page, chromium_or_skip
 from _ops import Scale
+from playwright.async_api import Page
 
 import dasktensor as dt
 
@@ -98,12 +101,9 @@ NEXT_FRAME_JS = "new Promise((r) => requestAnimationFrame(() => requestAnimation
 
 
 @pytest.fixture
-def chromium(tmp_path):
-    """Headless Chromium with DevTools on a free loopback port: its browser websocket URL."""
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium; see .ci/run)")
-    with headless_chromium(tmp_path / "chromium.log", WIDTH, HEIGHT) as url:
-        yield url
+def chromium():
+    """The chromium binary the tests launch."""
+    return chromium_or_skip()
 
 
 @pytest.fixture
@@ -183,31 +183,13 @@ async def until(what: str, probe, timeout: float, interval: float = 0.2):
         await asyncio.sleep(interval)
 
 
-async def look_at_task_stream(browser_url: str, page_url: str, job: Job, failed_png):
+async def look_at_task_stream(page: Page, page_url: str, job: Job, failed_png):
     """Load the page while the job runs; return (names, keys, tooltip text, screenshot).
 
     On failure, what the page showed is saved to ``failed_png``.
     """
-    from tornado.websocket import websocket_connect
-
-    ws = await websocket_connect(browser_url, max_message_size=1 << 27)
-    cdp = DevTools(ws)
-    page = None
     try:
-        target = await cdp.send("Target.createTarget", url="about:blank")
-        attached = await cdp.send(
-            "Target.attachToTarget", targetId=target["targetId"], flatten=True
-        )
-        page = attached["sessionId"]
-        await cdp.send(
-            "Emulation.setDeviceMetricsOverride",
-            page,
-            width=WIDTH,
-            height=HEIGHT,
-            deviceScaleFactor=1,
-            mobile=False,
-        )
-        await cdp.send("Page.navigate", page, url=page_url)
+        await page.goto(page_url)
 
         def has_dasktensor_names(stream):
             names = set(stream["names"]) if stream else set()
@@ -216,7 +198,7 @@ async def look_at_task_stream(browser_url: str, page_url: str, job: Job, failed_
         async def stream_while_running():
             if job.error is not None:
                 raise job.error
-            stream = await cdp.evaluate(page, TASK_STREAM_JS)
+            stream = await page.evaluate(TASK_STREAM_JS)
             # a few rounds of work in the picture, not only the first (compiling) one
             return stream if has_dasktensor_names(stream) and job.calls >= 3 else None
 
@@ -229,39 +211,38 @@ async def look_at_task_stream(browser_url: str, page_url: str, job: Job, failed_
 
         async def settled():
             nonlocal last
-            n = len((await cdp.evaluate(page, TASK_STREAM_JS))["names"])
+            n = len((await page.evaluate(TASK_STREAM_JS))["names"])
             done, last = n == last, n
             return done
 
         await until("the task stream to settle", settled, 10, interval=0.5)
-        stream = await cdp.evaluate(page, TASK_STREAM_JS)
+        stream = await page.evaluate(TASK_STREAM_JS)
         # no tooltip yet: the name below appears because the mouse points at a task
-        assert "scale-heavy" not in await cdp.evaluate(page, VISIBLE_TEXT_JS)
+        assert "scale-heavy" not in await page.evaluate(VISIBLE_TEXT_JS)
 
         async def tooltip():
-            point = await cdp.evaluate(page, RECTANGLE_JS)
+            point = await page.evaluate(RECTANGLE_JS)
             if not point:  # not drawn yet
                 return None
             for x, y in [(1, 1), point]:  # leave and re-enter: the hover tool draws anew
-                await cdp.send("Input.dispatchMouseEvent", page, type="mouseMoved", x=x, y=y)
+                await page.mouse.move(x, y)
             await asyncio.sleep(0.3)
-            text = await cdp.evaluate(page, VISIBLE_TEXT_JS)
+            text = await page.evaluate(VISIBLE_TEXT_JS)
             return text if "scale-heavy:" in text else None
 
         text = await until("a tooltip naming a scale-heavy task", tooltip, 10, interval=0.5)
-        await cdp.evaluate(page, NEXT_FRAME_JS)
-        shot = await cdp.send("Page.captureScreenshot", page, format="png")
-        return stream["names"], stream["keys"], text, base64.b64decode(shot["data"])
+        await page.evaluate(NEXT_FRAME_JS)
+        return stream["names"], stream["keys"], text, await page.screenshot()
     except BaseException:
-        if page is not None:
-            with contextlib.suppress(Exception):
-                shot = await asyncio.wait_for(
-                    cdp.send("Page.captureScreenshot", page, format="png"), 10
-                )
-                failed_png.write_bytes(base64.b64decode(shot["data"]))
+        with contextlib.suppress(Exception):
+            failed_png.write_bytes(await page.screenshot(timeout=10_000))
         raise
-    finally:
-        ws.close()
+
+
+async def task_stream_in_chromium(chromium: str, page_url: str, job: Job, failed_png):
+    """:func:`look_at_task_stream` in a page of headless ``chromium``."""
+    async with browser_page(chromium, WIDTH, HEIGHT) as page:
+        return await look_at_task_stream(page, page_url, job, failed_png)
 
 
 @pytest.mark.slow
@@ -272,7 +253,7 @@ def test_task_stream_page_shows_dasktensor_task_names(chromium, dashboard_client
     with Job(dashboard_client) as job:
         names, keys, tooltip, png = asyncio.run(
             asyncio.wait_for(
-                look_at_task_stream(
+                task_stream_in_chromium(
                     chromium, f"{base}/individual-task-stream", job, tmp_path / "failed.png"
                 ),
                 120,
@@ -350,35 +331,23 @@ class Sampler:
             m.close()
 
 
-async def look_at_calls_page(browser_url: str, page_url: str, sampler: Sampler):
+async def look_at_calls_page(chromium: str, page_url: str, sampler: Sampler):
     """Load the calls page while the sampler runs; return its table and a screenshot."""
-    from tornado.websocket import websocket_connect
-
-    ws = await websocket_connect(browser_url, max_message_size=1 << 27)
-    cdp = DevTools(ws)
-    try:
-        target = await cdp.send("Target.createTarget", url="about:blank")
-        attached = await cdp.send(
-            "Target.attachToTarget", targetId=target["targetId"], flatten=True
-        )
-        page = attached["sessionId"]
-        await cdp.send("Page.navigate", page, url=page_url)
+    async with browser_page(chromium, WIDTH, HEIGHT) as page:
+        await page.goto(page_url)
 
         async def both_models_called():
             if sampler.error is not None:
                 raise sampler.error
-            rows = await cdp.evaluate(page, CALLS_TABLE_JS) or []
+            rows = await page.evaluate(CALLS_TABLE_JS) or []
             calls = {r["model"]: r["calls"] for r in rows}
             running = sampler.thread.is_alive()
             ok = all(calls.get(m, 0) >= 20 for m in ("site-a", "site-b"))
             return rows if ok and running and rows[0]["bars"] > 0 else None
 
         rows = await until("the sampler's calls on the calls page", both_models_called, 90)
-        await cdp.evaluate(page, NEXT_FRAME_JS)
-        shot = await cdp.send("Page.captureScreenshot", page, format="png")
-        return rows, base64.b64decode(shot["data"])
-    finally:
-        ws.close()
+        await page.evaluate(NEXT_FRAME_JS)
+        return rows, await page.screenshot()
 
 
 @pytest.mark.slow

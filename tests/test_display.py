@@ -21,7 +21,7 @@ import dask
 import numpy as np
 import pytensor.tensor as pt
 import pytest
-from _browser import CHROMIUM, DevTools, headless_chromium
+from _browser import browser_page, chromium_or_skip
 from dask.utils import key_split
 
 import dasktensor as dt
@@ -286,32 +286,25 @@ SVG_BOX_JS = r"""
 """
 
 
-async def render(browser_url: str, page_url: str):
-    from tornado.websocket import websocket_connect
-
-    ws = await websocket_connect(browser_url, max_message_size=1 << 27)
-    cdp = DevTools(ws)
-    try:
-        page = await cdp.open_page(page_url, 1000, 700)
-        await asyncio.sleep(0.5)
-        boxes = await cdp.evaluate(page, FITS_JS)
-        clip = await cdp.evaluate(page, SVG_BOX_JS)
-        return boxes, await cdp.screenshot(page, clip)
-    finally:
-        ws.close()
+async def render(chromium: str, page_url: str):
+    """Each task box's name, right edge and widest text in a 1000 x 700 page; a PNG of the plan."""
+    async with browser_page(chromium, 1000, 700) as page:
+        await page.goto(page_url)
+        await page.evaluate("document.fonts.ready.then(() => null)")  # the text's own font
+        boxes = await page.evaluate(FITS_JS)
+        clip = await page.evaluate(SVG_BOX_JS)
+        return boxes, await page.screenshot(clip=clip)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_drawn_plan_in_a_browser_keeps_its_text_inside_the_boxes(tmp_path):
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium; see .ci/run)")
+    chromium = chromium_or_skip()
     plan = quickstart().plan
     plan.visualize(tmp_path / "plan.html")
-    with headless_chromium(tmp_path / "chromium.log", 1000, 700) as browser:
-        boxes, png = asyncio.run(
-            asyncio.wait_for(render(browser, (tmp_path / "plan.html").as_uri()), 60)
-        )
+    boxes, png = asyncio.run(
+        asyncio.wait_for(render(chromium, (tmp_path / "plan.html").as_uri()), 60)
+    )
     (tmp_path / "plan.png").write_bytes(png)
     if os.environ.get("DASKTENSOR_SCREENSHOT_DIR"):
         shutil.copy(tmp_path / "plan.png", os.environ["DASKTENSOR_SCREENSHOT_DIR"])
