@@ -420,6 +420,12 @@ def test_a_frozen_worker_loses_its_call_to_another_replica():
             t0 = time.monotonic()
             assert {model.call("where", 0.0)[0] for _ in range(3)} == {pids[other]}
             assert time.monotonic() - t0 < 10  # no call waits on the frozen worker again
+            # nor do the questions asked of every worker (client.run to it never returns)
+            assert model.workers() == [other]
+            assert set(model.build_counts()) == {other}
+            assert [w.address for w in dt.cluster_summary(client).workers if w.models] == [
+                other
+            ]
             os.kill(frozen.pid, signal.SIGCONT)
         finally:
             frozen.kill()

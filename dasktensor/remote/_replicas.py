@@ -414,15 +414,24 @@ def done(address: str) -> None:
 # -- the cluster's view (asks the workers) --------------------------------------------------
 
 
+def answering(client) -> list[str]:
+    """The scheduler's workers but those that did not answer a probe (suspects, probed
+    again now): ``client.run`` on a silent worker waits for Dask's connect timeout."""
+    workers = _answering(scheduler_workers(client), {}, getattr(client, "security", None))
+    return list(workers)
+
+
 def holders(spec: ModelSpec) -> list[str]:
     """Addresses of the workers that hold a replica now."""
-    held = spec.client().run(tasks.holds, spec.key, on_error="return")
+    client = spec.client()
+    held = client.run(tasks.holds, spec.key, workers=answering(client), on_error="return")
     return sorted(a for a, h in held.items() if h is True)
 
 
 def build_counts(spec: ModelSpec) -> dict[str, int]:
     """How many times ``factory()`` ran on each worker that ever built the model."""
-    counts = spec.client().run(tasks.build_count, spec.key, on_error="return")
+    client = spec.client()
+    counts = client.run(tasks.build_count, spec.key, workers=answering(client), on_error="return")
     return {a: n for a, n in counts.items() if isinstance(n, int) and n}
 
 

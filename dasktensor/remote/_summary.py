@@ -22,6 +22,7 @@ from html import escape
 
 from dasktensor._cluster import SchedulerRef, scheduler_workers
 from dasktensor._display import items, table
+from dasktensor.remote._replicas import answering
 from dasktensor_worker import tasks
 
 
@@ -118,7 +119,7 @@ def cluster_summary(client=None) -> ClusterSummary:
             "first, or pass the client (dt.cluster_summary(client))"
         )
     info = scheduler_workers(found)
-    replies = found.run(tasks.summary, workers=list(info), on_error="return")
+    replies = found.run(tasks.summary, workers=answering(found), on_error="return")
     workers = []
     for address, worker in info.items():
         got = replies.get(address)
