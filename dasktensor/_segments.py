@@ -101,6 +101,12 @@ def forget(token: str) -> int:
         return _compiles.pop(token, 0)
 
 
+def has_run(token: str) -> bool:
+    """Whether this process has run ``token``'s step method (its plugin was set up)."""
+    with _steps_lock:
+        return token in _payloads
+
+
 def compiles(token: str) -> int:
     """How many times this process compiled run ``token``'s step method so far."""
     with _steps_lock:

@@ -406,6 +406,33 @@ def test_a_cut_link_runs_its_segments_elsewhere_and_the_draws_stay_the_same():
             assert took < calm_took + 60, (took, calm_took)  # not worker-ttl's 5 min
 
 
+def test_a_host_cut_before_dt_sample_starts_leaves_the_chains_to_the_others(client):
+    """A worker's host is silent from before the run: installing the step method (Dask's
+    registration goes through every worker) would wait for Dask's connect timeout and
+    then fail; the chains start on the worker that has it after ``silent-worker``."""
+    from distributed import Client
+
+    runs = dict(RUN, chains=2, draws=40, tune=40)
+    t0 = time.monotonic()
+    with hierarchical():
+        calm = dt.sample(**runs, client=client, checkpoint_every=10)
+    calm_took = time.monotonic() - t0
+    with Hosts(3) as hosts:
+        address = start_cluster(hosts)
+        with Client(address, timeout=60, set_as_default=False) as other:
+            other.wait_for_workers(2, timeout=120)
+            hosts.cut(2)
+            t0 = time.monotonic()
+            with hierarchical():
+                got = dt.sample(**runs, client=other, checkpoint_every=10)
+            took = time.monotonic() - t0
+    print(f"a host cut before dt.sample: the run took {took:.1f} s ({calm_took:.1f} s "
+          "without the cut)")  # fmt: skip
+    assert_same_draws(got, calm)
+    # waits of silent-worker (5 s) to install and to release, not Dask's 30 s
+    assert took < calm_took + 25, (took, calm_took)
+
+
 # ----------------------------------------------------------------------------- a lost scheduler
 
 
