@@ -248,7 +248,15 @@ class ChainRunner:
                     continue
                 run, last = pending.pop(future)
                 twins = [f for f, (r, _) in pending.items() if r is run]
-                result = future.result()  # a model's error is raised here, remote traceback
+                try:  # a model's error is raised here, with its remote traceback
+                    result = future.result(timeout=silent)
+                except TimeoutError:
+                    if future.status == "error":  # the model's own TimeoutError
+                        raise
+                    # finished, but on a worker gone silent since: fetching its result
+                    # would wait for Dask's connect timeout (30 s); run it again instead
+                    self._refetch(future, run, last, twins, submit)
+                    continue
                 for twin in twins:
                     del pending[twin]
                 self.client.cancel(twins)
@@ -262,6 +270,17 @@ class ChainRunner:
             self.client.cancel(list(pending))
             raise
         recorder.finish(runs)
+
+    def _refetch(self, future, run: _Chain, last: int, twins: list, submit) -> None:
+        """A segment finished on a worker whose result does not come: run it again on
+        the other workers (unless a twin already runs), and forget this copy."""
+        holders = {a for held in self.client.who_has(future).values() for a in held}
+        _log.info("chain %d: its segment's result is on a worker that does not answer; "
+                  "running it again elsewhere", run.index)  # fmt: skip
+        self.client.cancel([future])
+        if not twins:
+            others = [a for a in self.client.scheduler_info()["workers"] if a not in holders]
+            submit(run, last, workers=others or None)
 
     def _twin_silent(self, pending: dict, silent: float, submit) -> None:
         """Run again elsewhere the segments of workers the scheduler has not heard from

@@ -323,3 +323,45 @@ def test_a_models_error_on_a_worker_reaches_the_caller_with_its_type(client, tmp
     while any(client.processing().values()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(client.processing().values())  # the other chain's segments were cancelled
+
+
+def test_a_result_held_by_a_worker_that_froze_is_made_again(reference, caplog):
+    """A segment finished on a worker that froze (SIGSTOP) before its result was
+    fetched: fetching it would wait on a connection nobody answers; after
+    ``silent-worker`` the segment runs again on the other worker, with the same draws."""
+    import dask
+    from distributed import Client
+
+    settings = {"distributed.scheduler.worker-ttl": "300s", "dasktensor.sample.silent-worker": "2s"}
+    with (
+        dask.config.set(settings),
+        _cluster(n_workers=1) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        frozen = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
+             "--no-nanny", "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            client.wait_for_workers(2, timeout=60)
+
+            def freeze_while_the_caller_is_busy(draw, **_):
+                if draw.draw_idx == 40 and frozen.returncode is None and not stopped:
+                    time.sleep(1.0)  # the frozen worker's segment ends meanwhile
+                    os.kill(frozen.pid, signal.SIGSTOP)
+                    stopped.append(True)
+
+            stopped: list[bool] = []
+            with caplog.at_level(logging.INFO, logger="dasktensor.sample"), hierarchical():
+                idata = dt.sample(**RUN, client=client, checkpoint_every=5,
+                                  callback=freeze_while_the_caller_is_busy,
+                                  compute_convergence_checks=False)  # fmt: skip
+            assert stopped
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+            frozen.kill()
+            frozen.wait()
+    assert "result is on a worker that does not answer" in summary(caplog), summary(caplog)
+    assert_same_draws(idata, reference)
