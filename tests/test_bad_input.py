@@ -33,13 +33,16 @@ parts, which takes the same path.
 
 from __future__ import annotations
 
+import operator
 import traceback
 from dataclasses import dataclass
 
+import dask.array as da
 import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from pytensor.raise_op import Assert
 
 import dasktensor as dt
 
@@ -214,3 +217,95 @@ def test_function_options(options, outcome):
         a = x.sum()
     outcome.check(lambda: dt.function([x], [a, x.max()], **options)(ONES))
     assert dt.function([x], [a, x.max()], scheduler="sync")(ONES) == [3.0, 1.0]
+
+
+# ----------------------------------------------------------------------------- pmap
+
+
+def graph_of_a_scalar():
+    x = pt.dscalar("x")
+    return [x], x * 2
+
+
+unknown_length = da.from_array(np.arange(10.0), chunks=5)
+unknown_length = unknown_length[unknown_length > 3]  # chunk sizes unknown until computed
+
+PMAP_CALLS = [
+    # (this one: 'Empty tuples are not allowed in chunks', from Dask)
+    pytest.param(
+        pt.exp, {}, lambda: (np.zeros(0),),
+        Gives(lambda got: same(got, np.zeros(0))), id="an-empty-batch"),
+    pytest.param(
+        lambda a: pt.exp(a).sum(), {}, lambda: (np.zeros((4, 0)),),
+        Gives(lambda got: same(got, np.zeros(4))), id="empty-elements"),
+    pytest.param(
+        pt.exp, {}, lambda: (np.array([np.nan, np.inf, -np.inf]),),
+        Gives(lambda got: same(got, np.array([np.nan, np.inf, 0.0]))), id="nan-and-inf"),
+    pytest.param(
+        operator.mul, {"in_axes": (0, None)}, lambda: (np.arange(3.0), np.array(2.0)),
+        Gives(lambda got: same(got, np.array([0.0, 2.0, 4.0]))), id="a-0-d-unbatched-input"),
+    pytest.param(
+        pt.exp, {}, lambda: ([[0.0], [0.0]],),
+        Gives(lambda got: same(got, np.ones((2, 1)))), id="nested-lists"),
+    # (these two: 'Unsupported dtype for TensorType: <U1', or on a graph given as (inputs,
+    # outputs) 'expected type_num 12 (NPY_FLOAT64) got 19' from a worker)
+    pytest.param(
+        pt.exp, {}, lambda: (np.array(["a", "b"]),),
+        Raises(TypeError, r"input 0 expected a numeric array \(bool, int, float or complex\), "
+                          r"got dtype <U1"),
+        id="strings"),
+    pytest.param(
+        pt.exp, {}, lambda: (np.array([1.0, None]),),
+        Raises(TypeError, "input 0 expected a numeric array .*got dtype object"), id="objects"),
+    pytest.param(
+        pt.exp, {}, lambda: ([[1.0], [2.0, 3.0]],),
+        Raises(ValueError, "inhomogeneous shape"), id="ragged-lists"),
+    pytest.param(
+        pt.exp, {}, lambda: (np.ones(2), np.ones(2)),
+        Raises(TypeError, r"Wrong number of inputs for exp.make_node \(got 2.*expected 1\)"),
+        id="one-value-too-many"),
+    pytest.param(
+        operator.add, {"in_axes": (0,)}, lambda: (np.ones(2), np.ones(2)),
+        Raises(ValueError, "in_axes has 1 entries for 2 inputs"), id="in_axes-one-short"),
+    pytest.param(
+        graph_of_a_scalar(), {}, lambda: (np.ones(3), np.ones(3)),
+        Raises(TypeError, "the graph has 1 inputs, got 2"), id="a-graph-given-two-values"),
+    # (this one: 'expected type_num 12 (NPY_FLOAT64) got 11' from a worker)
+    pytest.param(
+        graph_of_a_scalar(), {}, lambda: (np.ones(3, dtype="float32"),),
+        Raises(TypeError, r"input 0 \(x\) expected elements of dtype float64 and shape \(\) "
+                          r".*got dtype float32 and shape \(\)"),
+        id="a-graph-given-float32"),
+    # (this one mapped the graph over the first column, and returned its 3 values)
+    pytest.param(
+        graph_of_a_scalar(), {}, lambda: (np.ones((3, 2)),),
+        Raises(TypeError, r"input 0 \(x\) expected elements of dtype float64 and shape \(\) "
+                          r".*got dtype float64 and shape \(2,\)"),
+        id="a-graph-of-scalars-given-vectors"),
+    # (this one: "'float' object cannot be interpreted as an integer")
+    pytest.param(
+        pt.exp, {}, lambda: (unknown_length,),
+        Raises(ValueError, r"unknown length .* call x.compute_chunk_sizes\(\) first"),
+        id="a-dask-array-of-unknown-length"),
+    pytest.param(
+        lambda a: None, {}, lambda: (np.ones(2),),
+        Raises(NotImplementedError, "Cannot convert None to a tensor variable"),
+        id="a-function-returning-none"),
+    pytest.param(
+        lambda a: Assert("must be positive")(a, pt.all(a > 0)), {},
+        lambda: (np.array([1.0, -1.0]),),
+        Raises(AssertionError, "must be positive", frame="_run_chunk"),
+        id="an-assert-failing-on-a-worker"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fn, options, args, outcome", PMAP_CALLS)
+def test_pmap_calls(default_client, fn, options, args, outcome):
+    outcome.check(lambda: dt.pmap(fn, **options)(*args(), compute=True, progressbar=False))
+    good = dt.pmap(lambda a: pt.exp(a).sum(), chunks=2)(np.zeros((5, 3)), compute=True)
+    same(good, np.full(5, 3.0))
+
+
+def test_pmap_chunks_true_is_not_one():
+    with pytest.raises(ValueError, match=r"chunks=...\) expected 'auto' or an int > 0, got True"):
+        dt.pmap(pt.exp, chunks=True)
