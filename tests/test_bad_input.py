@@ -35,16 +35,21 @@ from __future__ import annotations
 
 import operator
 import traceback
+import warnings
 from dataclasses import dataclass
 
 import dask.array as da
 import numpy as np
+import pymc as pm
 import pytensor
 import pytensor.tensor as pt
 import pytest
+import xarray as xr
+from _pymc_models import linear_regression
 from pytensor.raise_op import Assert
 
 import dasktensor as dt
+from dasktensor._compat import PYTENSOR_VERSION
 
 
 @dataclass(frozen=True)
@@ -309,3 +314,140 @@ def test_pmap_calls(default_client, fn, options, args, outcome):
 def test_pmap_chunks_true_is_not_one():
     with pytest.raises(ValueError, match=r"chunks=...\) expected 'auto' or an int > 0, got True"):
         dt.pmap(pt.exp, chunks=True)
+
+
+# ----------------------------------------------------------------------------- the predictive
+
+
+MODEL = linear_regression()  # a, b, sigma -> y (30 observations)
+
+
+def posterior(chains: int = 2, draws: int = 5, **values) -> xr.Dataset:
+    """A posterior of MODEL; ``values`` replace its variables (arrays of (chain, draw))."""
+    rng = np.random.default_rng(1)
+    out = {
+        "a": rng.normal(size=(chains, draws)),
+        "b": rng.normal(size=(chains, draws)),
+        "sigma": rng.uniform(0.5, 1.5, size=(chains, draws)),
+    }
+    out.update(values)
+    return xr.Dataset({k: (("chain", "draw", *(f"d{i}" for i in range(np.ndim(v) - 2))), v)
+                       for k, v in out.items()})  # fmt: skip
+
+
+def trace_of(**groups):
+    """The trace type of this PyMC line (InferenceData, DataTree) holding ``groups``."""
+    if pm.__version__.startswith("5"):
+        import arviz as az
+
+        return az.InferenceData(**groups)
+    return xr.DataTree.from_dict(groups)
+
+
+def predict(idata, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyMC's notes on what it samples
+        result = dt.sample_posterior_predictive(
+            idata, **{"model": MODEL, "random_seed": 1, "compute": True, "progressbar": False,
+                      **kwargs}  # fmt: skip
+        )
+    group = result["posterior_predictive"]
+    return np.asarray(group["y"] if not hasattr(group, "to_dataset") else group.to_dataset()["y"])
+
+
+def all_nan(got):
+    assert got.shape == (2, 5, 30) and np.isnan(got).all()
+
+
+def all_infinite(got):
+    assert got.shape == (2, 5, 30) and np.isinf(got).all()
+
+
+PREDICTIVE_CALLS = [
+    # (these two: "'dict' object has no attribute 'groups'")
+    pytest.param(
+        lambda: predict({"a": 1}),
+        Raises(TypeError, r"expected a trace: an arviz.InferenceData, an xarray.DataTree or an "
+                          r"xarray.Dataset \(the posterior\), got dict"),
+        id="a-dict-for-the-trace"),
+    pytest.param(
+        lambda: predict(np.ones(3)), Raises(TypeError, "expected a trace: .*got ndarray"),
+        id="an-array-for-the-trace"),
+    # (these four: KeyError 'posterior', KeyError 'chain', ZeroDivisionError, and Dask's
+    # 'Empty tuples are not allowed in chunks')
+    pytest.param(
+        lambda: predict(trace_of(prior=posterior())),
+        Raises(ValueError, r"expected a trace with a posterior, got groups \['prior'\]"),
+        id="a-trace-without-posterior"),
+    pytest.param(
+        lambda: predict(posterior().isel(chain=0)),
+        Raises(ValueError, r"expected a posterior with dims \(chain, draw, ...\), "
+                           r"got \('draw',\)"),
+        id="a-posterior-without-chains"),
+    pytest.param(
+        lambda: predict(posterior(draws=0)),
+        Raises(ValueError, r"expected a posterior of one draw at least, got 2 chain\(s\) of 0 "
+                           r"draw\(s\)"),
+        id="no-draws"),
+    pytest.param(
+        lambda: predict(posterior(chains=0)),
+        Raises(ValueError, r"one draw at least, got 0 chain\(s\) of 5 draw\(s\)"),
+        id="no-chains"),
+    # (these four: AttributeError, PyMC's KeyError 'nope', and AttributeError at compute)
+    pytest.param(
+        lambda: predict(posterior(), model="model"),
+        Raises(TypeError, "expected model= a pymc.Model, got 'model'"),
+        id="a-string-for-the-model"),
+    pytest.param(
+        lambda: predict(posterior(), var_names=["nope"]),
+        Raises(ValueError, r"expected var_names= among the model's variables "
+                           r"\['a', 'b', 'mu', 'sigma', 'y'\], got \['nope'\]"),
+        id="an-unknown-var-name"),
+    pytest.param(
+        lambda: predict(posterior(), var_names=[3]),
+        Raises(TypeError, r"expected var_names= a list of names, got \[3\]"),
+        id="a-number-for-a-name"),
+    pytest.param(
+        lambda: predict(posterior(), client="tcp://127.0.0.1:1"),
+        Raises(TypeError, "expected client= a distributed.Client, got 'tcp://127.0.0.1:1'"),
+        id="an-address-for-the-client"),
+    pytest.param(
+        lambda: predict(posterior(a=np.ones((2, 5, 3)))),
+        Raises(TypeError, r"Wrong number of dimensions: expected 0, got 1 with shape \(3,\)"),
+        id="a-vector-for-a-scalar-variable"),
+    pytest.param(
+        lambda: predict(posterior(a=np.full((2, 5), "x"))),
+        Raises(ValueError, "could not convert string to float"), id="strings-for-a-float"),
+    # (once PyMC's one-draw run is cached, only the compiled graph sees the values)
+    pytest.param(
+        lambda: (predict(posterior()), predict(posterior(sigma=np.full((2, 5), -1.0)))),
+        Raises(ValueError, "scale < 0"), id="a-negative-scale",
+        marks=pytest.mark.xfail(PYTENSOR_VERSION >= (3, 0), reason=(
+            "PyTensor 3's Numba normal_rv does not check its scale: it draws (as PyMC 6's own "
+            "pm.sample_posterior_predictive does)"))),
+    pytest.param(
+        lambda: predict(posterior(a=np.full((2, 5), np.nan))), Gives(all_nan), id="nan"),
+    pytest.param(
+        lambda: predict(posterior(sigma=np.full((2, 5), np.inf))), Gives(all_infinite),
+        id="an-infinite-scale"),
+    # (these two: 'expected type_num 12 (NPY_FLOAT64) got 7' from the compiled graph)
+    pytest.param(
+        lambda: predict(posterior(a=np.ones((2, 5), int), b=np.zeros((2, 5), int))),
+        Gives(lambda got: same(got, predict(posterior(a=np.ones((2, 5)), b=np.zeros((2, 5)))))),
+        id="ints-for-floats"),
+    pytest.param(
+        lambda: predict(posterior(sigma=np.ones((2, 5), dtype="float32"))),
+        Gives(lambda got: same(got, predict(posterior(sigma=np.ones((2, 5)))))),
+        id="float32-for-float64"),
+    # (as PyMC 6 takes it; PyMC 5 took "y" as ["y"] by chance, "mu" as ["m", "u"])
+    pytest.param(
+        lambda: predict(posterior(), var_names="y"),
+        Gives(lambda got: same(got, predict(posterior(), var_names=["y"]))),
+        id="one-name-as-a-string"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("call, outcome", PREDICTIVE_CALLS)
+def test_posterior_predictive_calls(default_client, call, outcome):
+    outcome.check(call)
+    assert np.isfinite(predict(trace_of(posterior=posterior()))).all()
