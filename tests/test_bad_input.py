@@ -50,6 +50,8 @@ import pytest
 import xarray as xr
 from _models import Probe
 from _pymc_models import linear_regression
+from _sample_models import hierarchical
+from pymc.exceptions import SamplingError
 from pytensor.raise_op import Assert
 
 import dasktensor as dt
@@ -578,3 +580,106 @@ def test_a_message_sent_in_parts_is_not_copied():
     server.close()
     same(got["message"][2][1], array)
     assert peak < 1.25 * array.nbytes, peak / array.nbytes  # the receiver's copy alone
+
+
+# ----------------------------------------------------------------------------- dt.sample
+
+
+SMALL = dict(draws=5, tune=5, chains=1, random_seed=1, progressbar=False,
+             compute_convergence_checks=False)  # fmt: skip
+
+
+def a_closed_client(client):
+    from distributed import Client
+
+    closed = Client(client.scheduler.address, set_as_default=False)
+    closed.close()
+    return closed
+
+
+def minus_infinity():
+    with pm.Model() as model:
+        mu = pm.Normal("mu", 0, 1)
+        pm.Potential("never", mu * 0 - np.inf)
+    return model
+
+
+def with_a_missing_observation():
+    with pm.Model() as model:
+        mu = pm.Normal("mu", 0, 1)
+        pm.Normal("y", mu, 1, observed=np.array([1.0, np.nan]))
+    return model
+
+
+def one_value_imputed(result):
+    found = result["posterior"]
+    found = found.to_dataset() if hasattr(found, "to_dataset") else found
+    assert found["y_unobserved"].shape == (1, 5, 1) and np.isfinite(found["mu"]).all()
+
+
+SAMPLE_CALLS = [
+    # (pm.sample's errors for these five: 'Not enough samples to build a trace', a TypeError
+    # from range(), none (tune=-1 returned one draw of five), 'len() of unsized object',
+    # "'<' not supported between instances of 'str' and 'int'")
+    pytest.param(
+        hierarchical, {"draws": -1}, Raises(ValueError, "expected draws= an int >= 1, got -1"),
+        id="negative-draws"),
+    pytest.param(
+        hierarchical, {"draws": 5.5}, Raises(ValueError, "expected draws= an int >= 1, got 5.5"),
+        id="fractional-draws"),
+    pytest.param(
+        hierarchical, {"tune": -1}, Raises(ValueError, "expected tune= an int >= 0, got -1"),
+        id="negative-tune"),
+    pytest.param(
+        hierarchical, {"chains": 0}, Raises(ValueError, "expected chains= an int >= 1, got 0"),
+        id="no-chains"),
+    pytest.param(
+        hierarchical, {"chains": "2"},
+        Raises(ValueError, "expected chains= an int >= 1, got '2'"), id="a-string-for-chains"),
+    # (these four: a TypeError of os.fspath once the chains had started, 'issubclass() arg 1
+    # must be a class', "'str' object has no attribute 'free_RVs'", "'NoneType' object has
+    # no attribute 'register_worker_plugin'")
+    pytest.param(
+        hierarchical, {"store": 3},
+        Raises(TypeError, r"expected store= a path \(str or os.PathLike\), got 3"),
+        id="a-number-for-the-store"),
+    pytest.param(
+        hierarchical, {"step": "nuts"},
+        Raises(TypeError, r"expected step= a PyMC step method .* or a list of them, got 'nuts'"),
+        id="a-string-for-the-step"),
+    pytest.param(
+        lambda: None, {"model": "model"},
+        Raises(TypeError, "expected model= a pymc.Model, got 'model'"),
+        id="a-string-for-the-model"),
+    pytest.param(
+        hierarchical, {"client": a_closed_client},
+        Raises(RuntimeError, r"expected a running distributed Client, got .*\(closed\)"),
+        id="a-closed-client"),
+    pytest.param(
+        hierarchical, {"initvals": {"mu": np.ones(3)}},
+        Raises(TypeError, r"Cannot convert Type Vector\(float64, shape=\(3,\)\) .* into "
+                          r"Type Scalar\(float64, shape=\(\)\)"),
+        id="an-initial-value-of-the-wrong-shape"),
+    pytest.param(
+        hierarchical, {"initvals": {"mu": np.nan}},
+        Raises(SamplingError, "Initial evaluation of model at starting point failed"),
+        id="a-nan-initial-value"),
+    pytest.param(
+        minus_infinity, {},
+        Raises(SamplingError, "Initial evaluation of model at starting point failed"),
+        id="a-log-density-of-minus-infinity"),
+    pytest.param(with_a_missing_observation, {}, Gives(one_value_imputed), id="a-nan-observation"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model, options, outcome", SAMPLE_CALLS)
+def test_sample_calls(default_client, model, options, outcome):
+    options = {k: v(default_client) if callable(v) else v for k, v in options.items()}
+    run = {**SMALL, "client": default_client, **options}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyMC's notes on short chains and imputation
+        with model() or pm.Model():
+            outcome.check(lambda: dt.sample(**run))
+        with hierarchical():
+            good = dt.sample(**SMALL, client=default_client)
+    assert dict(good["posterior"].sizes)["draw"] == 5
