@@ -33,6 +33,7 @@ parts, which takes the same path.
 
 from __future__ import annotations
 
+import math
 import operator
 import socket
 import threading
@@ -683,3 +684,84 @@ def test_sample_calls(default_client, model, options, outcome):
         with hierarchical():
             good = dt.sample(**SMALL, client=default_client)
     assert dict(good["posterior"].sizes)["draw"] == 5
+
+
+# ----------------------------------------------------------------------------- connect
+
+
+ADDRESS = "{address}"  # the session cluster's scheduler
+
+CONNECT_CALLS = [
+    # (these three: distributed's "expected str, got 'int'", 'missing port number in
+    # address', 'unknown address scheme')
+    pytest.param(
+        {"address": 8786},
+        Raises(TypeError, "expected a scheduler address such as 'tcp://10.0.0.5:8786', "
+                          "got 8786"),
+        id="a-number-for-the-address"),
+    pytest.param(
+        {"address": "not an address"},
+        Raises(ValueError, r"expected a scheduler address 'protocol://host:port' .* got "
+                           r"'not an address' \(missing port number"),
+        id="an-address-without-port"),
+    pytest.param(
+        {"address": "foo://127.0.0.1:1"},
+        Raises(ValueError, r"got 'foo://127.0.0.1:1' \(unknown address scheme 'foo'"),
+        id="an-unknown-scheme"),
+    # (these three: KeyError 'Invalid time unit: soon...', "could not convert string to
+    # float: '1-1'", and 'Could not reach a Dask scheduler ... within 0 s' from a running
+    # one)
+    pytest.param(
+        {"address": ADDRESS, "timeout": "soon"},
+        Raises(ValueError, "expected timeout= a number of seconds > 0 or a duration such as "
+                           "'30s', got 'soon'"),
+        id="a-timeout-of-no-unit"),
+    pytest.param(
+        {"address": ADDRESS, "timeout": -1}, Raises(ValueError, "timeout= .* got -1"),
+        id="a-negative-timeout"),
+    pytest.param(
+        {"address": ADDRESS, "timeout": 0}, Raises(ValueError, "timeout= .* got 0"),
+        id="a-zero-timeout"),
+    # (this one: "'str' object has no attribute 'get_connection_args'")
+    pytest.param(
+        {"address": ADDRESS, "security": "yes"},
+        Raises(TypeError, "expected security= a distributed.security.Security, got 'yes'"),
+        id="a-string-for-security"),
+    # (this one was left out, silently)
+    pytest.param(
+        {"address": ADDRESS, "threads_per_worker": 4},
+        Raises(TypeError, r"got an address and options for an embedded cluster "
+                          r"\(threads_per_worker\)"),
+        id="an-address-and-threads-per-worker"),
+    # (these five: a cluster of no worker, 'unsupported operand type(s) for /', 2 threads,
+    # 'dictionary update sequence element #0 has length 1', and 'Nanny failed to start'
+    # after 4.6 s, its client left half-started)
+    pytest.param(
+        {"n_workers": -1}, Raises(ValueError, "expected n_workers= an int >= 0, got -1"),
+        id="negative-workers"),
+    pytest.param(
+        {"n_workers": "two"}, Raises(ValueError, "expected n_workers= an int >= 0, got 'two'"),
+        id="a-string-for-workers"),
+    pytest.param(
+        {"threads_per_worker": 0},
+        Raises(ValueError, "expected threads_per_worker= an int >= 1, got 0"), id="no-threads"),
+    pytest.param(
+        {"resources": "GPU"},
+        Raises(TypeError, r"expected resources= a dict of resource names to amounts, such as "
+                          r"\{'GPU': 1\}, got 'GPU'"),
+        id="a-string-for-resources"),
+    pytest.param(
+        {"wokers": 2},
+        Raises(TypeError, r"got \['wokers'\], which neither LocalCluster nor its workers take; "
+                          r"expected options of distributed.LocalCluster or distributed.Worker"),
+        id="a-misspelt-option"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kwargs, outcome", CONNECT_CALLS)
+def test_connect_calls(process_cluster, kwargs, outcome):
+    address = process_cluster.scheduler_address
+    kwargs = {k: address if v == ADDRESS else v for k, v in kwargs.items()}
+    outcome.check(lambda: dt.connect(**kwargs, set_as_default=False, dashboard_address=False))
+    with dt.connect(address, set_as_default=False, timeout=10) as good:
+        assert good.submit(math.hypot, 3, 4).result() == 5.0
