@@ -354,12 +354,10 @@ def trace_of(**groups):
 
 
 def predict(idata, **kwargs):
+    options = {"model": MODEL, "random_seed": 1, "compute": True, "progressbar": False}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PyMC's notes on what it samples
-        result = dt.sample_posterior_predictive(
-            idata, **{"model": MODEL, "random_seed": 1, "compute": True, "progressbar": False,
-                      **kwargs}  # fmt: skip
-        )
+        result = dt.sample_posterior_predictive(idata, **{**options, **kwargs})
     group = result["posterior_predictive"]
     return np.asarray(group["y"] if not hasattr(group, "to_dataset") else group.to_dataset()["y"])
 
@@ -543,7 +541,10 @@ REMOTE_CALLS = [
 @pytest.mark.parametrize("model, method, args, outcome", REMOTE_CALLS)
 def test_remote_model_calls(models, model, method, args, outcome):
     values = args()
-    call = lambda: models[model].call(method, *values)  # noqa: E731
+
+    def call():
+        return models[model].call(method, *values)
+
     if outcome is ECHO:
         Gives(lambda got: same(got, values[1])).check(call)
     else:
@@ -586,8 +587,8 @@ def test_a_message_sent_in_parts_is_not_copied():
 # ----------------------------------------------------------------------------- dt.sample
 
 
-SMALL = dict(draws=5, tune=5, chains=1, random_seed=1, progressbar=False,
-             compute_convergence_checks=False)  # fmt: skip
+SMALL = {"draws": 5, "tune": 5, "chains": 1, "random_seed": 1, "progressbar": False,
+         "compute_convergence_checks": False}  # fmt: skip
 
 
 def a_closed_client(client):
