@@ -51,9 +51,14 @@ def _as_dask(x, chunks):
 
 
 def _split(n: int, size: int) -> tuple[int, ...]:
-    """Chunks of ``size`` along an axis of length ``n`` (the last one shorter)."""
+    """Chunks of ``size`` along an axis of length ``n`` (the last one shorter; one empty
+    chunk for ``n == 0``, as Dask chunks an empty axis).
+
+    >>> _split(5, 2), _split(0, 2)
+    ((2, 2, 1), (0,))
+    """
     full, rest = divmod(n, size)
-    return (size,) * full + ((rest,) if rest else ())
+    return (size,) * full + ((rest,) if rest or not n else ())
 
 
 def auto_chunk(n: int, bytes_per_element: float) -> int:

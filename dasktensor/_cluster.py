@@ -34,7 +34,7 @@ from typing import Any
 
 import dask
 import dask.threaded
-from dask.base import get_scheduler
+from dask.base import get_scheduler, named_schedulers
 from dask.utils import parse_bytes
 
 from dasktensor import _config
@@ -102,6 +102,11 @@ def default_client():
     return client if is_client(client) else None
 
 
+def _scheduler_names() -> list[str]:
+    """The names ``dask.base.get_scheduler`` accepts."""
+    return sorted([*named_schedulers, "distributed", "dask.distributed"])
+
+
 class SchedulerRef:
     """Which scheduler a compiled function uses, kept in a form that pickles.
 
@@ -122,6 +127,12 @@ class SchedulerRef:
             self.address = scheduler.scheduler.address
         elif isinstance(scheduler, str) and "://" in scheduler:
             self.address = scheduler
+        elif isinstance(scheduler, str) and scheduler.lower() not in _scheduler_names():
+            # Dask would say so at the first call that needs it, without naming this one
+            raise ValueError(
+                "scheduler expected a scheduler address ('tcp://host:port') or one of "
+                f"Dask's scheduler names {_scheduler_names()}, got {scheduler!r}"
+            )
         elif isinstance(scheduler, str) or callable(scheduler):
             self.get = scheduler
         else:

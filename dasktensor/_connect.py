@@ -132,18 +132,28 @@ def connect(
     >>> client = dt.connect(n_workers=1, dashboard_address=False)  # doctest: +SKIP
     >>> client.close()  # doctest: +SKIP
     """
-    from dask.utils import parse_timedelta
     from distributed import Client
+    from distributed.security import Security
 
-    timeout_s = parse_timedelta(
-        timeout if timeout is not None else _config.get("connect-timeout"), default="s"
-    )
+    timeout_s = _seconds(timeout if timeout is not None else _config.get("connect-timeout"))
+    if security is not None and not isinstance(security, Security):
+        raise TypeError(
+            f"dt.connect expected security= a distributed.security.Security, got {security!r}"
+        )
     address = address or _configured_address()
     if address is not None:
-        if cluster_kwargs or n_workers is not None or resources is not None:
+        if not isinstance(address, str):
+            raise TypeError(
+                "dt.connect expected a scheduler address such as 'tcp://10.0.0.5:8786', "
+                f"got {address!r}"
+            )
+        embedded = {"n_workers": n_workers, "threads_per_worker": threads_per_worker,
+                    "processes": processes, "resources": resources}  # fmt: skip
+        given = [k for k, v in embedded.items() if v is not None] + list(cluster_kwargs)
+        if given:
             raise TypeError(
                 "connect() got an address and options for an embedded cluster "
-                f"({', '.join(['n_workers', 'resources', *cluster_kwargs][:3])}...): "
+                f"({', '.join(given)}): "
                 "workers of an existing cluster are configured where they are started "
                 "(`dask worker ADDRESS --resources 'GPU=1'`)"
             )
@@ -155,6 +165,11 @@ def connect(
             )
             show_calls_page(client)
             return client
+        except ValueError as e:  # distributed could not parse it
+            raise ValueError(
+                "dt.connect expected a scheduler address 'protocol://host:port' such as "
+                f"'tcp://10.0.0.5:8786', got {address!r} ({e})"
+            ) from e
         except TypeError as e:
             if not tls:
                 raise
@@ -186,6 +201,7 @@ def connect(
                 "machine."
             ) from e
 
+    _check_embedded(n_workers, threads_per_worker, resources, cluster_kwargs)
     kwargs = {
         "n_workers": n_workers if n_workers is not None else _config.get("cluster.n-workers"),
         "threads_per_worker": (
@@ -238,3 +254,62 @@ def connect(
             )
     show_calls_page(client)
     return client
+
+
+def _seconds(timeout) -> float:
+    """``timeout`` (seconds, or a duration such as ``"30s"``) in seconds, > 0."""
+    from dask.utils import parse_timedelta
+
+    try:
+        seconds = parse_timedelta(timeout, default="s")
+    except (ValueError, TypeError, KeyError):
+        seconds = None
+    if not (isinstance(seconds, int | float) and seconds > 0):
+        raise ValueError(
+            "dt.connect expected timeout= a number of seconds > 0 or a duration such as "
+            f"'30s', got {timeout!r}"
+        )
+    return seconds
+
+
+def _check_embedded(n_workers, threads_per_worker, resources, cluster_kwargs) -> None:
+    """The embedded cluster's options, checked before anything starts: LocalCluster takes
+    them as they come, and fails late (a typo in a worker option: 'Nanny failed to start',
+    seconds later, a half-started client left behind) or not at all (n_workers=-1 starts
+    no worker)."""
+    import difflib
+    import inspect
+    import numbers
+
+    from distributed import LocalCluster, Nanny, Worker
+
+    counts = (("n_workers", n_workers, 0), ("threads_per_worker", threads_per_worker, 1))
+    for name, value, low in counts:
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and value >= low
+        ):
+            raise ValueError(f"dt.connect expected {name}= an int >= {low}, got {value!r}")
+    if resources is not None and not (
+        isinstance(resources, dict)
+        and all(isinstance(k, str) and isinstance(v, numbers.Real) for k, v in resources.items())
+    ):
+        raise TypeError(
+            "dt.connect expected resources= a dict of resource names to amounts, such as "
+            f"{{'GPU': 1}}, got {resources!r}"
+        )
+    if "worker_class" in cluster_kwargs:
+        return  # its own options: not known here
+    known = set()
+    for cls in (LocalCluster, *inspect.getmro(Nanny), *inspect.getmro(Worker)):
+        if "__init__" in vars(cls):
+            params = inspect.signature(cls.__init__).parameters.values()
+            named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            known.update(p.name for p in params if p.kind in named)
+    unknown = sorted(set(cluster_kwargs) - known)
+    if unknown:
+        close = [m for u in unknown for m in difflib.get_close_matches(u, known, 1)]
+        raise TypeError(
+            f"dt.connect got {unknown}, which neither LocalCluster nor its workers take; "
+            "expected options of distributed.LocalCluster or distributed.Worker"
+            + (f" (closest: {close})" if close else "")
+        )

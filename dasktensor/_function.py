@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytensor
 from dask.delayed import Delayed
+from pytensor.tensor.type import TensorType
 
 from dasktensor._linker import DaskLinker, dask_mode
 from dasktensor._plan import Plan
@@ -37,8 +38,26 @@ class DaskFunction:
             fn = self._fn.copy(name=self._fn.name)
         try:
             return fn(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            self._check_values(args, e)
+            raise
         finally:
             self._idle.append(fn)
+
+    def _check_values(self, args: tuple, error: Exception) -> None:
+        """Too many values, or None for a tensor: say what the function takes (PyTensor
+        says 'Too many parameter', or fails on None inside a stage)."""
+        inputs = [i.variable for i in self._fn.maker.inputs if not i.implicit]
+        if len(args) > len(inputs):
+            raise TypeError(
+                f"DaskFunction expected at most {len(inputs)} input value(s) "
+                f"({', '.join(map(str, inputs))}), got {len(args)}"
+            ) from error
+        for var, arg in zip(inputs, args):
+            if arg is None and isinstance(var.type, TensorType):
+                raise TypeError(
+                    f"DaskFunction expected an array for input {var} ({var.type}), got None"
+                ) from error
 
     async def acall(self, *args, **kwargs):
         """Call the function without blocking the running event loop.

@@ -23,7 +23,32 @@ def groups(obj) -> dict:
         return {"posterior": obj}
     if hasattr(obj, "children"):  # xarray.DataTree
         return {name: node.to_dataset() for name, node in obj.children.items()}
+    if not callable(getattr(obj, "groups", None)):
+        raise TypeError(
+            "expected a trace: an arviz.InferenceData, an xarray.DataTree or an "
+            f"xarray.Dataset (the posterior), got {type(obj).__name__}"
+        )
     return {name: obj[name] for name in obj.groups()}
+
+
+def posterior_of(owner: str, idata):
+    """The posterior of a trace, with at least one chain and one draw (PyMC runs on the
+    first draw for the template)."""
+    found = groups(idata)
+    if "posterior" not in found:
+        raise ValueError(f"{owner} expected a trace with a posterior, got groups {sorted(found)}")
+    posterior = found["posterior"]
+    sizes = dict(posterior.sizes)
+    if "chain" not in sizes or "draw" not in sizes:
+        raise ValueError(
+            f"{owner} expected a posterior with dims (chain, draw, ...), got {tuple(sizes)}"
+        )
+    if not (sizes["chain"] and sizes["draw"]):
+        raise ValueError(
+            f"{owner} expected a posterior of one draw at least, got {sizes['chain']} "
+            f"chain(s) of {sizes['draw']} draw(s)"
+        )
+    return posterior
 
 
 def first_draw(idata):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 
 from pytensor.compile.mode import Mode, register_mode
 from pytensor.link.basic import Container
@@ -80,6 +81,15 @@ class DaskLinker(type(_BACKEND_LINKER)):
         self.scheduler = (
             scheduler if isinstance(scheduler, SchedulerRef) else SchedulerRef(scheduler)
         )
+        if heavy_flops is not None and not (
+            isinstance(heavy_flops, numbers.Real)
+            and not isinstance(heavy_flops, bool)
+            and heavy_flops >= 0
+        ):
+            raise ValueError(
+                "DaskLinker(heavy_flops=...) expected a number of flops >= 0 (None: "
+                f"dasktensor.planner.heavy-flops), got {heavy_flops!r}"
+            )
         self.heavy_flops = heavy_flops
         self.shards = check_shards(shards, "DaskLinker(shards=...)")
         self.fgraph = None

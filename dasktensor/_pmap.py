@@ -28,7 +28,10 @@ class PMapped:
                 "pmap expected a function building a PyTensor graph from input variables, "
                 f"or a graph as (inputs, outputs), got {fn!r}"
             )
-        if not (chunks == "auto" or (isinstance(chunks, int) and chunks > 0)):
+        if not (
+            chunks == "auto"
+            or (isinstance(chunks, int) and not isinstance(chunks, bool) and chunks > 0)
+        ):
             raise ValueError(f"pmap(chunks=...) expected 'auto' or an int > 0, got {chunks!r}")
         self.fn = fn
         self.in_axes = in_axes
@@ -71,6 +74,18 @@ class PMapped:
             inputs = list(inputs)
             if len(inputs) != len(args):
                 raise TypeError(f"pmap: the graph has {len(inputs)} inputs, got {len(args)}")
+            for i, (v, x, b) in enumerate(zip(inputs, args, batched)):
+                # the compiled graph takes the values as they are: check them here
+                shape = tuple(x.shape[1:] if b else x.shape)
+                fits = len(shape) == v.type.ndim and all(
+                    d is None or d == s for d, s in zip(v.type.shape, shape)
+                )
+                if str(x.dtype) != v.type.dtype or not fits:
+                    raise TypeError(
+                        f"pmap: input {i} ({v}) expected elements of dtype {v.type.dtype} "
+                        f"and shape {v.type.shape} (None: any length), got dtype {x.dtype} "
+                        f"and shape {shape}" + (" after the batch axis" if b else "")
+                    )
             single = not isinstance(outputs, list | tuple)
             return inputs, [outputs] if single else list(outputs), single
         inputs = []
@@ -86,6 +101,12 @@ class PMapped:
         import dask.array as da
 
         args = [x if isinstance(x, da.Array) else np.asarray(x) for x in args]
+        for i, x in enumerate(args):
+            if x.dtype.kind not in "biufc":
+                raise TypeError(
+                    f"pmap: input {i} expected a numeric array (bool, int, float or "
+                    f"complex), got dtype {x.dtype}"
+                )
         axes = self._axes(args)
         if all(a is None for a in axes):
             raise ValueError("pmap needs at least one batched input (in_axes not None)")
@@ -102,6 +123,11 @@ class PMapped:
                 f"got {sorted(sizes)}"
             )
         (n,) = sizes
+        if math.isnan(n):
+            raise ValueError(
+                "pmap: a Dask array input of unknown length along its batch axis (its chunk "
+                "sizes are unknown); expected known chunks: call x.compute_chunk_sizes() first"
+            )
         signature = tuple(
             (str(x.dtype), tuple(x.shape[1:] if b else x.shape), b) for x, b in zip(args, batched)
         )

@@ -27,12 +27,14 @@ from collections.abc import Sequence
 from pytensor.graph.basic import equal_computations
 
 from dasktensor._chunks import map_blocks
+from dasktensor._cluster import is_client
 from dasktensor._idata import (
     bytes_per_draw,
     compute_dataset,
     first_draw,
     groups,
     lazy_dataset,
+    posterior_of,
     replace_group,
     sample_chunks,
 )
@@ -231,7 +233,8 @@ def sample_posterior_predictive(
     import pymc as pm
 
     model = pm.modelcontext(model)
-    posterior = groups(idata)["posterior"]
+    var_names = _check_arguments(model, var_names, client)
+    posterior = posterior_of("sample_posterior_predictive", idata)
     n_chains, n_draws = posterior.sizes["chain"], posterior.sizes["draw"]
     small_result, fn = _template(model, idata, var_names, predictions)
 
@@ -244,7 +247,12 @@ def sample_posterior_predictive(
             f"posterior does not hold (it has {sorted(posterior.data_vars)})"
         )
     vec, fixed = _vectorized(model, inputs, outputs)
+    # PyMC casts the trace's values to its variables' dtypes (an int posterior of a float
+    # variable); the compiled graph takes them as they are
     values = [posterior[v.name].data for v in inputs]
+    values = [
+        x if x.dtype == v.type.dtype else x.astype(v.type.dtype) for x, v in zip(values, inputs)
+    ]
 
     group = "predictions" if predictions else "posterior_predictive"
     template = groups(small_result)[group]
@@ -256,3 +264,29 @@ def sample_posterior_predictive(
     if compute:
         dataset = compute_dataset(dataset, client, progressbar)
     return replace_group(small_result, group, dataset)
+
+
+def _check_arguments(model, var_names, client) -> list[str] | None:
+    """Refuse what PyMC fails on with messages that do not name the argument (``KeyError:
+    'x'``, an AttributeError); ``var_names`` as a list (one name alone as PyMC 6 takes it)."""
+    import pymc as pm
+
+    owner = "sample_posterior_predictive"
+    if not isinstance(model, pm.Model):
+        raise TypeError(f"{owner} expected model= a pymc.Model, got {model!r}")
+    if isinstance(var_names, str):
+        var_names = [var_names]
+    if var_names is not None:
+        names = list(var_names) if hasattr(var_names, "__iter__") else [var_names]
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError(f"{owner} expected var_names= a list of names, got {var_names!r}")
+        var_names = names
+        unknown = [n for n in var_names if n not in model.named_vars]
+        if unknown:
+            raise ValueError(
+                f"{owner} expected var_names= among the model's variables "
+                f"{sorted(model.named_vars)}, got {unknown}"
+            )
+    if client is not None and not is_client(client):
+        raise TypeError(f"{owner} expected client= a distributed.Client, got {client!r}")
+    return var_names

@@ -119,13 +119,22 @@ progressbar, model
             "dt.sample runs PyMC's own samplers (nuts_sampler='pymc'); got nuts_sampler="
             f"{kwargs['nuts_sampler']!r}: external samplers do not run as Dask segments"
         )
+    for name, value, low in (("draws", draws, 1), ("tune", tune, 0), ("chains", chains, 1)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+            # pm.sample's own errors for these say nothing of them (tune=-1: one draw)
+            raise ValueError(f"dt.sample expected {name}= an int >= {low}, got {value!r}")
+    _check_step(kwargs.get("step"))
     every = _positive("checkpoint_every", checkpoint_every)
     if resume and store is None:
         raise ValueError("dt.sample(resume=True) expected a store= to resume from, got none")
+    if store is not None and not isinstance(store, str | os.PathLike):
+        raise TypeError(f"dt.sample expected store= a path (str or os.PathLike), got {store!r}")
     if store is not None:
         random_seed = _store_seed(store, random_seed, resume)
     client = _client(client)
     model = pm.modelcontext(model)
+    if not isinstance(model, pm.Model):
+        raise TypeError(f"dt.sample expected model= a pymc.Model, got {model!r}")
     if target_accept is not None:
         kwargs["target_accept"] = target_accept
     open_store = None
@@ -202,7 +211,23 @@ def _client(client):
             )
     elif not is_client(client):
         raise TypeError(f"dt.sample expected client= a distributed.Client, got {client!r}")
+    if client.status in ("closing", "closed"):
+        raise RuntimeError(
+            f"dt.sample expected a running distributed Client, got {client!r} ({client.status})"
+        )
     return client
+
+
+def _check_step(step) -> None:
+    """A step method, or several: pm.sample's error for anything else is an internal one."""
+    from pymc.step_methods.compound import BlockedStep, CompoundStep
+
+    steps = step if isinstance(step, list | tuple) else [step]
+    if step is not None and not all(isinstance(s, BlockedStep | CompoundStep) for s in steps):
+        raise TypeError(
+            "dt.sample expected step= a PyMC step method (pm.NUTS(), pm.Metropolis()...) "
+            f"or a list of them, got {step!r}"
+        )
 
 
 def _positive(name: str, value):

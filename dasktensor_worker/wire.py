@@ -12,8 +12,10 @@ no thread hop on either side.
 * **Frames.**  A message is a pickle (protocol 5) whose large buffers (NumPy arrays of
   :data:`IN_BAND` bytes or more) travel out of band as raw frames: ``<u4 n>`` then ``n`` lengths
   ``<u8>``, then the frames, sent with one ``sendmsg`` (no copy of the arrays on the way
-  out) and received each into a ``bytearray`` of its own (arrays come back writeable,
-  without a copy).  A caller and a worker trust each other as Dask's own comms do (Dask
+  out; more calls for over 1023 frames or 2 GiB) and received each into a ``bytearray``
+  of its own (arrays come back writeable, without a copy).  Lengths are 64-bit: a frame
+  over 2 or 4 GiB travels as any other; a message holds at most 65,535 large arrays.
+  A caller and a worker trust each other as Dask's own comms do (Dask
   pickles too); on a TLS cluster both ends authenticate with the cluster's certificates.
 * **Requests** are ``(key, method, args)``; **replies** ``("OK", result)``,
   ``("missing", None)`` (no such replica here) or ``("error", {...})`` with the model's
@@ -49,6 +51,8 @@ _COUNT = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
 #: at most this many frames in one message (a guard against reading garbage)
 _MAX_FRAMES = 1 << 16
+#: at most this many buffers in one ``sendmsg`` (the system's IOV_MAX; more: EMSGSIZE)
+_IOV_MAX = 1024
 
 
 def dumps(obj) -> list:
@@ -82,6 +86,11 @@ def dumps(obj) -> list:
 
     packed = _pack(obj, {})  # (the dict keeps the arrays' ids valid meanwhile)
     frames[0] = pickle.dumps(packed, protocol=5, buffer_callback=out_of_band)
+    if len(frames) > _MAX_FRAMES:  # the receiver would take it for garbage and hang up
+        raise ValueError(
+            f"a dasktensor message holds at most {_MAX_FRAMES - 1} arrays of {IN_BAND} "
+            f"bytes or more, got {len(frames) - 1}: stack them into fewer, larger arrays"
+        )
     return frames
 
 
@@ -136,12 +145,30 @@ def send_frames(sock, frames: list) -> None:
     parts = [prefix, *frames]
     total = len(prefix) + sum(lengths)
     if hasattr(sock, "sendmsg") and not hasattr(sock, "cipher"):  # plain socket: one call
-        sent = sock.sendmsg(parts)
-        if sent == total:
-            return
-        parts = [memoryview(b"".join(bytes(p) for p in parts))[sent:]]  # pragma: no cover
+        while parts:  # (more when a message has over _IOV_MAX parts, or over 2 GiB)
+            parts = _unsent(parts, sock.sendmsg(parts[:_IOV_MAX]))
+        return
     for part in parts if total > 65536 else [b"".join(parts)]:
         sock.sendall(part)
+
+
+def _unsent(parts: list, sent: int) -> list:
+    """What is left of ``parts`` once ``sent`` bytes of them went: views, not copies.
+
+    A ``sendmsg`` may send less than it was given: Linux sends at most 2 GiB - 4 KiB per
+    call, and a socket with a timeout what fits in its buffer.
+
+    >>> [bytes(p) for p in _unsent([b"abc", b"de", b"f"], 4)]
+    [b'e', b'f']
+    >>> _unsent([b"abc", b"de"], 5)
+    []
+    """
+    for i, part in enumerate(parts):
+        n = memoryview(part).nbytes
+        if sent < n:
+            return [memoryview(part).cast("B")[sent:], *parts[i + 1 :]]
+        sent -= n
+    return []
 
 
 def recv(reader):

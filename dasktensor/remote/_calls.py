@@ -35,6 +35,7 @@ first, on a connection of its own, then the replies are read; no thread per call
 from __future__ import annotations
 
 import functools
+import pickle
 import time
 from collections.abc import Sequence
 
@@ -94,6 +95,9 @@ def _round_trip(replicas, address: str, spec: ModelSpec, method, args):
     except _LOST as e:
         done(address)
         return e
+    except BaseException:  # nothing was sent: the worker must not stay counted as busy
+        done(address)
+        raise
     try:
         reply = _reply(conn, replicas, address, spec.timeout)
     except TimeoutError:  # the call goes on on the worker; its reply will be dropped
@@ -145,6 +149,12 @@ def _send(channel, replicas, address: str, spec: ModelSpec, method, args):
         )
     except WireRefused as e:
         raise RemoteModelError(f"{spec!r}: {e}") from e
+    except (pickle.PicklingError, TypeError, AttributeError) as e:  # raised by pickling
+        given = ", ".join(type(a).__name__ for a in args)
+        raise TypeError(
+            f"{spec!r}: {method or 'call'} expected arguments that pickle (they travel to "
+            f"a worker), got ({given}): {type(e).__name__}: {e}"
+        ) from e
 
 
 def call_many(calls: Sequence[tuple[ModelSpec, str | None, tuple]]) -> list:

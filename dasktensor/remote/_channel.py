@@ -67,8 +67,9 @@ class Connection:
         self.sock = sock
         self.reader = sock.makefile("rb")
 
-    def send(self, message) -> None:
-        wire.send(self.sock, message)
+    def send(self, frames: list) -> None:
+        """Write one message, as :func:`wire.dumps` gives it."""
+        wire.send_frames(self.sock, frames)
 
     def reply(self, timeout: float | None = None):
         """The reply to the request sent; ``TimeoutError`` after ``timeout`` seconds."""
@@ -104,20 +105,22 @@ class Channel:
     ) -> Connection:
         """Write ``message`` to the worker at ``address``; the connection to read the reply
         from (give it back with :meth:`give_back`, or close it).  ``timeout`` bounds the
-        connecting (default ``dasktensor.remote.connect-timeout``)."""
+        connecting (default ``dasktensor.remote.connect-timeout``).  A message that does
+        not pickle raises what pickling raised, before any connection is taken."""
+        frames = wire.dumps(message)
         with self.lock:
             idle = self.idle.get(endpoint)
             conn = idle.pop() if idle else None
         if conn is not None:
             try:
-                conn.send(message)
+                conn.send(frames)
                 return conn
             except OSError:  # the worker closed it (restarted, or gone): try a fresh one
                 conn.close()
         context = self._context(endpoint, address, security)
         conn = Connection(address, endpoint, context, timeout)
         try:
-            conn.send(message)
+            conn.send(frames)
         except BaseException:
             conn.close()
             raise

@@ -214,6 +214,8 @@ class RemoteModel:
         ``method=None`` calls the model object itself.  Works from any thread, also while
         an event loop runs in this one (its loop is not used).
         """
+        if method is not None and not (isinstance(method, str) and method.isidentifier()):
+            raise TypeError(f"{self!r}: expected a method name or None, got {method!r}")
         return call(self._spec, method, args)
 
     async def acall(self, method: str | None, *args):
