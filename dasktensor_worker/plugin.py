@@ -38,6 +38,7 @@ scheduler reports lost workers.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -100,6 +101,10 @@ class ModelHost(WorkerPlugin):
         if address.startswith("tls://"):
             context = worker.security.get_listen_args("worker")["ssl_context"]
         self.server = WireServer(_listen_host(address), self.answer, context)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # called outside a worker's event loop: no lease checks
+            return
         every = dask.config.get("dasktensor.remote.lease-check", "1s")
         self._lease_check = PeriodicCallback(
             lambda: self.check_leases(worker), parse_timedelta(every) * 1000
