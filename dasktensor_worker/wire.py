@@ -145,6 +145,10 @@ def send_frames(sock, frames: list) -> None:
     parts = [prefix, *frames]
     total = len(prefix) + sum(lengths)
     if hasattr(sock, "sendmsg") and not hasattr(sock, "cipher"):  # plain socket: one call
+        sent = sock.sendmsg(parts if len(parts) <= _IOV_MAX else parts[:_IOV_MAX])
+        if sent == total:  # (the usual case: no list is made again)
+            return
+        parts = _unsent(parts, sent)
         while parts:  # (more when a message has over _IOV_MAX parts, or over 2 GiB)
             parts = _unsent(parts, sock.sendmsg(parts[:_IOV_MAX]))
         return
