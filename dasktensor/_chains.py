@@ -115,7 +115,7 @@ class ChainRunner:
         initial = step.sampling_state
         runs = [_Chain(c, 0, Start(initial, start[c], rngs[c])) for c in range(chains)]
         plugin = StepMethod(self.token, _cloudpickled(step))  # functions travel as graphs
-        self._install(plugin)
+        _install(self, plugin)
         recorder = _Recorder(traces, tune, draws, progress, callback, store)
         try:
             with progress:
@@ -137,54 +137,6 @@ class ChainRunner:
             )  # fmt: skip
         else:  # the workers did not answer in time
             _log.info("Sampled %d chains in %d segments", chains, self.segments)
-
-    def _install(self, plugin: StepMethod) -> None:
-        """Install the run's step method on every worker (``register_plugin``; workers
-        that join later get it too), waiting at most ``sample.silent-worker`` seconds:
-        Dask's registration goes through every worker, and one already silent would
-        hold up the start for Dask's connect timeout (30 s) and then fail it.  If the
-        registration has not ended by then, the chains start on the workers heard from
-        that have the step method, and the registration ends in the background."""
-        ended: dict = {}
-
-        def register():
-            try:
-                with carrying(len(plugin.payload)):
-                    self.client.register_plugin(plugin)
-            except BaseException as e:  # raised below, unless the start went on without
-                ended["error"] = e
-            ended["done"] = True
-
-        thread = threading.Thread(target=register, name="dasktensor-install", daemon=True)
-        thread.start()
-        thread.join(_config.seconds("sample.silent-worker"))
-        if ended.get("done"):
-            if "error" in ended:
-                raise ended["error"]
-            return
-        workers = self.client.scheduler_info()["workers"]
-        freshest = max((w["last_seen"] for w in workers.values()), default=0.0)
-        silent = _config.seconds("sample.silent-worker")
-        heard = [a for a, w in workers.items() if freshest - w["last_seen"] <= silent]
-        found = self.client.run(has_run, self.token, workers=heard, on_error="return")
-        pinned = [a for a, yes in found.items() if yes is True]
-        if not pinned:
-            thread.join()  # no worker has it yet: wait for Dask's own outcome
-            if "error" in ended:
-                raise ended["error"]
-            return
-        self._heard = self._pinned = pinned
-
-        def unpin():  # once every worker has it (a silent one may never: then never)
-            thread.join()
-            if "error" not in ended:
-                self._pinned = []
-
-        threading.Thread(target=unpin, name="dasktensor-install-wait", daemon=True).start()
-        _log.info(
-            "the step method is not installed on every worker yet (a silent one?): the "
-            "chains start on %d worker(s) that have it", len(self._heard),
-        )  # fmt: skip
 
     def _release(self, name: str) -> None:
         """Drop the run's step methods from the workers, in a thread waited for at most
@@ -312,6 +264,55 @@ class ChainRunner:
             return FIRST_SEGMENT
         target = _config.seconds("sample.segment-seconds")
         return max(1, int(target / max(run.rate, 1e-9)))
+
+
+def _install(runner: ChainRunner, plugin: StepMethod) -> None:
+    """Install the run's step method on every worker (``register_plugin``; workers
+    that join later get it too), waiting at most ``sample.silent-worker`` seconds:
+    Dask's registration goes through every worker, and one already silent would
+    hold up the start for Dask's connect timeout (30 s) and then fail it.  If the
+    registration has not ended by then, the chains start on the workers heard from
+    that have the step method, and the registration ends in the background."""
+    ended: dict = {}
+
+    def register():
+        try:
+            with carrying(len(plugin.payload)):
+                runner.client.register_plugin(plugin)
+        except BaseException as e:  # raised below, unless the start went on without
+            ended["error"] = e
+        ended["done"] = True
+
+    thread = threading.Thread(target=register, name="dasktensor-install", daemon=True)
+    thread.start()
+    thread.join(_config.seconds("sample.silent-worker"))
+    if ended.get("done"):
+        if "error" in ended:
+            raise ended["error"]
+        return
+    workers = runner.client.scheduler_info()["workers"]
+    freshest = max((w["last_seen"] for w in workers.values()), default=0.0)
+    silent = _config.seconds("sample.silent-worker")
+    heard = [a for a, w in workers.items() if freshest - w["last_seen"] <= silent]
+    found = runner.client.run(has_run, runner.token, workers=heard, on_error="return")
+    pinned = [a for a, yes in found.items() if yes is True]
+    if not pinned:
+        thread.join()  # no worker has it yet: wait for Dask's own outcome
+        if "error" in ended:
+            raise ended["error"]
+        return
+    runner._heard = runner._pinned = pinned
+
+    def unpin():  # once every worker has it (a silent one may never: then never)
+        thread.join()
+        if "error" not in ended:
+            runner._pinned = []
+
+    threading.Thread(target=unpin, name="dasktensor-install-wait", daemon=True).start()
+    _log.info(
+        "the step method is not installed on every worker yet (a silent one?): the "
+        "chains start on %d worker(s) that have it", len(runner._heard),
+    )  # fmt: skip
 
 
 class _Recorder:

@@ -54,10 +54,8 @@ class RemoteModel:
     name : str
         Shown on the dashboard (``build-<name>``) and in error messages.
     resources : dict, optional
-        Worker resources a replica needs, e.g. ``{"GPU": 1}``.  Only workers offering
-        them build one, and each replica holds them while it lives (a ``hold-<name>``
-        task, see ``hold_resources``): Dask runs no other task asking for them beside
-        it.  Two models sharing one GPU each ask for a part of it, e.g. ``{"GPU": 0.5}``.
+        Worker resources a replica needs, e.g. ``{"GPU": 1}``; only workers offering
+        them build one.  Two models sharing one GPU ask for a part each: ``{"GPU": 0.5}``.
     replicas : int, optional
         How many workers hold the model.  By default every worker offering
         ``resources`` does, including workers that join later.
@@ -81,8 +79,8 @@ class RemoteModel:
         meaning of the word): a call with none of them alive fails with
         ``RemoteModelError`` instead of moving elsewhere.  ``True`` by default.
     hold_resources : bool
-        Whether each replica holds ``resources`` while it lives (``True``, the default),
-        or only while it is being built.
+        Each replica holds ``resources`` while it lives (a ``hold-<name>`` task: no other
+        task asking for them runs beside it); ``False``: only while it is built.
 
     Examples
     --------
