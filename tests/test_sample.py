@@ -183,15 +183,33 @@ def test_a_store_of_another_run_is_refused_and_left_as_it_was(client, tmp_path):
 
 
 def test_a_worker_that_joins_takes_segments(reference):
+    """A worker added mid-run runs segments.  ``silent-worker`` is raised here: on a
+    loaded machine the joining worker, busy compiling the step method, was heard from
+    too seldom and its segments were twinned onto the other worker, which finished
+    them first (the draws the same; what the test looks at, not)."""
+    import dask
     from distributed import Client, get_task_stream
 
-    with _cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+    with (
+        dask.config.set({"dasktensor.sample.silent-worker": "60s"}),
+        _cluster(n_workers=1) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
         (first,) = client.run(os.getpid)
+
+        def has_the_step_method(dask_worker) -> bool:
+            return any(n.startswith("dasktensor-step-method") for n in dask_worker.plugins)
 
         def add_a_worker(trace, draw):
             if len(cluster.workers) == 1 and draw.draw_idx == 15:
                 cluster.scale(2)
                 client.wait_for_workers(2, timeout=120)  # segments go on meanwhile
+                # and until it has the run's step method (its import of dasktensor may
+                # take seconds on a loaded machine), lest the run end before it can help
+                deadline = time.monotonic() + 60
+                while not all(client.run(has_the_step_method).values()):
+                    assert time.monotonic() < deadline, "the new worker got no step method"
+                    time.sleep(0.1)
 
         with get_task_stream(client) as stream, hierarchical():
             idata = dt.sample(**RUN, client=client, checkpoint_every=5, callback=add_a_worker,
@@ -346,12 +364,19 @@ def test_a_result_held_by_a_worker_that_froze_is_made_again(reference, caplog):
         )  # fmt: skip
         try:
             client.wait_for_workers(2, timeout=60)
+            (there,) = [a for a, p in client.run(os.getpid).items() if p == frozen.pid]
 
             def freeze_while_the_caller_is_busy(draw, **_):
-                if draw.draw_idx == 40 and frozen.returncode is None and not stopped:
-                    time.sleep(1.0)  # the frozen worker's segment ends meanwhile
-                    os.kill(frozen.pid, signal.SIGSTOP)
-                    stopped.append(True)
+                """While the caller records a draw (it fetches no result meanwhile), as
+                soon as the worker holds the result of another chain's segment (one not
+                fetched yet: this chain's is the one being recorded): freeze it."""
+                others = tuple(f"chain_{c}-" for c in range(RUN["chains"]) if c != draw.chain)
+                deadline = time.monotonic() + 3
+                while not stopped and draw.draw_idx >= 20 and time.monotonic() < deadline:
+                    if any(str(k).startswith(others) for k in client.has_what([there])[there]):
+                        os.kill(frozen.pid, signal.SIGSTOP)
+                        stopped.append(True)
+                    time.sleep(0.02)
 
             stopped: list[bool] = []
             with caplog.at_level(logging.INFO, logger="dasktensor.sample"), hierarchical():
