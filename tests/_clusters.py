@@ -40,3 +40,28 @@ def channel_calls(client, by_worker: bool = False) -> dict:
         for name, n in totals.items():
             out[name] = out.get(name, 0) + n
     return out
+
+
+def bare_worker(scheduler_address: str):
+    """A ``dask worker`` process without a nanny (SIGSTOP freezes it, nobody restarts it)
+    on loopback, importing what this process imports; the caller kills it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_worker", scheduler_address,
+         "--no-nanny", "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def eventually(check, seconds: float = 15.0):
+    """Poll ``check()`` until it is truthy; its last value."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not (value := check()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value

@@ -20,6 +20,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from _clusters import bare_worker
 from _models import Probe, broken_factory, record_then_sleep
 from conftest import _cluster
 from pytensor.gradient import verify_grad
@@ -395,12 +396,7 @@ def test_a_frozen_worker_loses_its_call_to_another_replica():
         _cluster(n_workers=1) as cluster,
         Client(cluster, set_as_default=False) as client,
     ):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        frozen = subprocess.Popen(
-            [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
-             "--no-nanny", "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        frozen = bare_worker(cluster.scheduler_address)
         try:
             client.wait_for_workers(2, timeout=60)
             pids = client.run(os.getpid)
@@ -423,9 +419,7 @@ def test_a_frozen_worker_loses_its_call_to_another_replica():
             # nor do the questions asked of every worker (client.run to it never returns)
             assert model.workers() == [other]
             assert set(model.build_counts()) == {other}
-            assert [w.address for w in dt.cluster_summary(client).workers if w.models] == [
-                other
-            ]
+            assert [w.address for w in dt.cluster_summary(client).workers if w.models] == [other]
             os.kill(frozen.pid, signal.SIGCONT)
         finally:
             frozen.kill()

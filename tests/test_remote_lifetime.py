@@ -18,6 +18,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from _clusters import eventually
 from _models import Probe
 from conftest import _cluster
 
@@ -55,14 +56,6 @@ def logp_function(model):
     op = model.logp_grad_op("logp_grad", [pt.dvector, pt.dscalar])
     x, mu = pt.dvector("x"), pt.dscalar("mu")
     return pytensor.function([x, mu], op(x, mu)[0])
-
-
-def eventually(check, seconds: float = 15.0):
-    """Poll ``check()`` until it is truthy; its last value."""
-    deadline = time.monotonic() + seconds
-    while not (value := check()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return value
 
 
 def test_a_model_nobody_holds_is_released(two):

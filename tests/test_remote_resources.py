@@ -15,7 +15,7 @@ import os
 import time
 
 import pytest
-from _clusters import gpu_worker_address
+from _clusters import eventually, gpu_worker_address
 from _models import Probe
 
 import dasktensor as dt
@@ -45,14 +45,6 @@ def gpu_in_use(client) -> tuple[float, float]:
         return dask_worker.state.available_resources.get("GPU")
 
     return client.run_on_scheduler(used), client.run(free, workers=[address])[address]
-
-
-def eventually(check, seconds: float = 15.0):
-    """Poll ``check()`` until it is truthy; its last value."""
-    deadline = time.monotonic() + seconds
-    while not (value := check()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return value
 
 
 def gpu_task(client):

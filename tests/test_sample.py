@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pymc as pm
 import pytest
+from _clusters import bare_worker
 from _sample_models import PICKLED, RUN, assert_same_draws, groups_of, hierarchical
 from conftest import _cluster
 
@@ -350,18 +351,16 @@ def test_a_result_held_by_a_worker_that_froze_is_made_again(reference, caplog):
     import dask
     from distributed import Client
 
-    settings = {"distributed.scheduler.worker-ttl": "300s", "dasktensor.sample.silent-worker": "2s"}
+    settings = {
+        "distributed.scheduler.worker-ttl": "300s",
+        "dasktensor.sample.silent-worker": "2s",
+    }
     with (
         dask.config.set(settings),
         _cluster(n_workers=1) as cluster,
         Client(cluster, set_as_default=False) as client,
     ):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        frozen = subprocess.Popen(
-            [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
-             "--no-nanny", "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        frozen = bare_worker(cluster.scheduler_address)
         try:
             client.wait_for_workers(2, timeout=60)
             (there,) = [a for a, p in client.run(os.getpid).items() if p == frozen.pid]
