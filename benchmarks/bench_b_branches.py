@@ -119,6 +119,7 @@ def main(repeat: int = 11, warmup: int = 4) -> list[Row]:
                 return sum(client.gather(futures))
 
             np.testing.assert_allclose(raw_dask(), expected, rtol=1e-8)
+
             def channel():
                 with dask.config.set({"dasktensor.execute.path": "channel"}):
                     return f_dask(xv)

@@ -117,14 +117,26 @@ def main(rounds: int = 3, draws: int = 500, tune: int = 500) -> list[Row]:
             Row(NAME, "dt.sample(chains=8), 2 workers (s), median", round(t_dt, 2)),
             Row(NAME, "dt / pm wall time", t_dt / t_pm, 1.05),
             Row(NAME, "dt.sample with a worker SIGKILLed halfway (s)", round(t_fault, 2)),
-            Row(NAME, "extra time of the fault (s)", round(t_fault - t_dt, 2),
-                round(segment + restart, 2)),  # fmt: skip
+            Row(
+                NAME,
+                "extra time of the fault (s)",
+                round(t_fault - t_dt, 2),
+                round(segment + restart, 2),
+            ),  # fmt: skip
             Row(NAME, "segment length (s) + worker restart (s)", round(segment + restart, 2)),
             Row(NAME, "a worker was killed (1/0)", int(bool(killed)), 1, True),
-            Row(NAME, "draws identical with and without the fault (1/0)",
-                int(same_draws(faulty, results["dt"])), 1, True),  # fmt: skip
-            Row(NAME, "draws identical to pm.sample's, same seed (1/0)",
-                int(same_draws(results["dt"], results["pm"]))),  # fmt: skip
+            Row(
+                NAME,
+                "draws identical with and without the fault (1/0)",
+                int(same_draws(faulty, results["dt"])),
+                1,
+                True,
+            ),  # fmt: skip
+            Row(
+                NAME,
+                "draws identical to pm.sample's, same seed (1/0)",
+                int(same_draws(results["dt"], results["pm"])),
+            ),  # fmt: skip
         ]
     rows.append(load_row(NAME))
     print_rows(rows, title=f"[{NAME}] summary ({rounds} rounds, {tune} + {draws} draws)")

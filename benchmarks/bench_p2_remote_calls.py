@@ -65,7 +65,7 @@ def main(repeat: int = 21, warmup: int = 2) -> list[Row]:
     from _ops import Normal, sleep_seconds
 
     import dasktensor as dt
-    from dasktensor._demo import serial_mode
+    from dasktensor.cli._demo import serial_mode
     from dasktensor.remote import RemoteMethod
 
     print(f"[{NAME}] {versions_line()}")

@@ -55,7 +55,7 @@ def calls_only(sites, local_ops) -> dict[str, float]:
     import numpy as np
     from _common import compare
 
-    from dasktensor import _demo
+    from dasktensor.cli import _demo
     from dasktensor.remote import RemoteMethod
 
     q = np.array([1.5, -0.2])
@@ -78,7 +78,7 @@ def main(chains: int = 1, draws: int = 150, tune: int = 150) -> list[Row]:
     import numpy as np
     import pymc as pm
 
-    from dasktensor import _demo
+    from dasktensor.cli import _demo
 
     print(f"[{NAME}] {versions_line()}")
     settings = dict(

@@ -10,40 +10,40 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from dasktensor import _config  # noqa: F401  (loads dasktensor.yaml into dask.config)
-from dasktensor._annotate import Placed as Placed
-from dasktensor._annotate import annotate as annotate
-from dasktensor._callable_ops import ArraysToArraysOp as ArraysToArraysOp
-from dasktensor._callable_ops import LogpGradOp as LogpGradOp
-from dasktensor._callable_ops import LogpOp as LogpOp
-from dasktensor._callable_ops import arrays_to_arrays_op as arrays_to_arrays_op
-from dasktensor._callable_ops import logp_grad_op as logp_grad_op
-from dasktensor._callable_ops import logp_op as logp_op
-from dasktensor._cluster import NoWorkerWithResourcesError as NoWorkerWithResourcesError
-from dasktensor._cluster import SchedulerLostError as SchedulerLostError
-from dasktensor._cluster import calls_link as calls_link
-from dasktensor._connect import connect as connect
 from dasktensor._function import DaskFunction as DaskFunction
 from dasktensor._function import function as function
 from dasktensor._linker import DASK as DASK
 from dasktensor._linker import DaskLinker as DaskLinker
 from dasktensor._linker import dask_mode as dask_mode
-from dasktensor._loglik import compute_log_likelihood as compute_log_likelihood
-from dasktensor._parallel_calls import ParallelCallsOp as ParallelCallsOp
 from dasktensor._placement import Placement as Placement
-from dasktensor._plan import Plan as Plan
-from dasktensor._plan import Task as Task
-from dasktensor._plan import plan_graph as plan_graph
-from dasktensor._pmap import PMapped as PMapped
-from dasktensor._pmap import pmap as pmap
-from dasktensor._predictive import sample_posterior_predictive as sample_posterior_predictive
-from dasktensor._sample import sample as sample
-from dasktensor._store import StoreMismatchError as StoreMismatchError
-from dasktensor._weights import is_heavy as is_heavy
-from dasktensor._weights import mark_heavy as mark_heavy
+from dasktensor.cluster import NoWorkerWithResourcesError as NoWorkerWithResourcesError
+from dasktensor.cluster import SchedulerLostError as SchedulerLostError
+from dasktensor.cluster import calls_link as calls_link
+from dasktensor.cluster import connect as connect
+from dasktensor.dataparallel import PMapped as PMapped
+from dasktensor.dataparallel import compute_log_likelihood as compute_log_likelihood
+from dasktensor.dataparallel import pmap as pmap
+from dasktensor.dataparallel import sample_posterior_predictive as sample_posterior_predictive
+from dasktensor.engine import Placed as Placed
+from dasktensor.engine import Plan as Plan
+from dasktensor.engine import Task as Task
+from dasktensor.engine import annotate as annotate
+from dasktensor.engine import is_heavy as is_heavy
+from dasktensor.engine import mark_heavy as mark_heavy
+from dasktensor.engine import plan_graph as plan_graph
+from dasktensor.ops import ArraysToArraysOp as ArraysToArraysOp
+from dasktensor.ops import LogpGradOp as LogpGradOp
+from dasktensor.ops import LogpOp as LogpOp
+from dasktensor.ops import ParallelCallsOp as ParallelCallsOp
+from dasktensor.ops import arrays_to_arrays_op as arrays_to_arrays_op
+from dasktensor.ops import logp_grad_op as logp_grad_op
+from dasktensor.ops import logp_op as logp_op
+from dasktensor.remote import ClusterSummary as ClusterSummary
 from dasktensor.remote import RemoteModel as RemoteModel
 from dasktensor.remote import RemoteModelError as RemoteModelError
-from dasktensor.remote._summary import ClusterSummary as ClusterSummary
-from dasktensor.remote._summary import cluster_summary as cluster_summary
+from dasktensor.remote import cluster_summary as cluster_summary
+from dasktensor.sampling import StoreMismatchError as StoreMismatchError
+from dasktensor.sampling import sample as sample
 
 try:
     __version__ = _version("dasktensor")

@@ -1,13 +1,15 @@
 """Differences between the two supported lines, in one place.
 
 * PyTensor 3.x / PyMC 6.x (Python >= 3.12): the default backend is Numba.
-* PyTensor 2.38 / PyMC 5.28 (Python 3.11): the default backend is the C VM.
+* PyTensor 2.38 / PyMC 5.28 (Python 3.11): the default backend is the C VM; PyMC's
+  ArviZ (0.23) warns of its refactor on its first import each day.
 
 Everything else in dasktensor imports version-dependent names from here.
 """
 
 from __future__ import annotations
 
+import warnings
 from importlib.metadata import version
 
 import pytensor
@@ -26,6 +28,19 @@ def backend_mode() -> Mode:
     be set to the DASK mode.
     """
     return get_mode("FAST_RUN")
+
+
+def import_pymc():
+    """``import pymc`` without ArviZ 0.23's daily ``FutureWarning`` (PyMC 5.28 imports
+    ArviZ, which says on its first import each day that it is being refactored: nothing
+    a user of dasktensor's command line can act on).  For dasktensor's own programs
+    (``dasktensor demo``); a user's ``import pymc`` keeps its warnings."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"\s*ArviZ is undergoing a major refactor", category=FutureWarning
+        )
+        import pymc
+    return pymc
 
 
 def inline_op_from_graph(node) -> list:

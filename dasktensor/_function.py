@@ -10,8 +10,7 @@ from dask.delayed import Delayed
 from pytensor.tensor.type import TensorType
 
 from dasktensor._linker import DaskLinker, dask_mode
-from dasktensor._plan import Plan
-from dasktensor._translate import TaskGraph
+from dasktensor.engine import Plan, TaskGraph
 
 
 class DaskFunction:

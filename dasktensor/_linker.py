@@ -27,11 +27,9 @@ from pytensor.compile.mode import Mode, register_mode
 from pytensor.link.basic import Container
 
 from dasktensor import _compat
-from dasktensor._cluster import SchedulerRef
-from dasktensor._execute import PlanExecutor
-from dasktensor._plan import Plan, plan_graph
-from dasktensor._shard_policy import analyse, check_shards, describe
-from dasktensor._sharded import ShardedExecutor, ShardedThunk
+from dasktensor.cluster import SchedulerRef
+from dasktensor.engine import Plan, PlanExecutor, plan_graph
+from dasktensor.sharding import ShardedExecutor, ShardedThunk, analyse, check_shards, describe
 
 _BACKEND_LINKER = _compat.backend_mode().linker
 
@@ -49,7 +47,7 @@ class DaskLinker(type(_BACKEND_LINKER)):
     heavy_flops : float, optional
         Threshold of the planner's cost rule (``dasktensor.planner.heavy-flops``).
     shards : int or bool, optional
-        Sharding of sums over data rows (``dasktensor._sharded``): None (the default)
+        Sharding of sums over data rows (``dasktensor.sharding._executor``): None (the default)
         makes one shard per worker of a distributed client, an int K makes K shards,
         ``False`` or 0 turns it off.  Only graphs with data of at least
         ``dasktensor.shard.min-rows`` rows whose outputs are exact sums over them qualify.

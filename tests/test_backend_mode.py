@@ -37,11 +37,11 @@ def surrogate_model(mode="JAX", **placement):
 
 def _linkers_here() -> dict[str, list[str]]:
     """On a worker: the linker classes of the runners it restored, by task name."""
-    from dasktensor._runners import _restored
+    from dasktensor.engine._runners import restored
 
     return {
         r.name: sorted({type(fn.maker.linker).__name__ for fn in r.compiled_functions})
-        for r in _restored.values()
+        for r in restored()
         if r.compiled_functions
     }
 

@@ -296,7 +296,7 @@ class Sampler:
     def __init__(self, client):
         import pymc as pm
 
-        from dasktensor._demo import Site
+        from dasktensor.cli._demo import Site
 
         self.models = [
             dt.RemoteModel(

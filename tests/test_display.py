@@ -26,7 +26,7 @@ from dask.utils import key_split
 
 import dasktensor as dt
 from dasktensor._display import COLOURS, plan_html
-from dasktensor._plan import Plan
+from dasktensor.engine._plan import Plan
 
 SVG = "{http://www.w3.org/2000/svg}"
 CALLER_ROLES = {"before", "beside", "after"}

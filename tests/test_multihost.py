@@ -27,7 +27,7 @@ from _models import Probe
 from _sample_models import PICKLED, RUN, assert_same_draws, hierarchical, regression
 
 import dasktensor as dt
-from dasktensor import _demo
+from dasktensor.cli import _demo
 
 WHY = unavailable()
 pytestmark = [

@@ -10,7 +10,7 @@ import pytest
 from _ops import failing_logp, make_rendezvous
 
 import dasktensor as dt
-from dasktensor import _callable_ops as dt_callable_ops
+from dasktensor.ops import _callable as dt_callable_ops
 
 
 def parallel_nodes(f):

@@ -9,7 +9,7 @@ from dask.utils import key_split
 from pytensor.graph.fg import FunctionGraph
 
 import dasktensor as dt
-from dasktensor._plan import (
+from dasktensor.engine._plan import (
     anchors_around,
     colour,
     fuse_caller_stages,
@@ -17,7 +17,7 @@ from dasktensor._plan import (
     make_plan,
     op_label,
 )
-from dasktensor._weights import Weight, node_weight
+from dasktensor.engine._weights import Weight, node_weight
 
 
 def plan_of(inputs, outputs, **kwargs):
@@ -153,7 +153,7 @@ def test_mark_heavy_registers_third_party_ops():
         plan = plan_of([x], [out + 1])
         assert [t.name for t in plan.tasks if t.kind == "heavy"] == ["argmax-heavy"]
     finally:
-        from dasktensor._plan import _HEAVY_TYPES
+        from dasktensor.engine._plan import _HEAVY_TYPES
 
         del _HEAVY_TYPES[Argmax]
 

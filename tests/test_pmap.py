@@ -160,9 +160,9 @@ def test_each_worker_compiles_the_chunk_function_once(client):
     np.testing.assert_allclose(y.compute(scheduler=client), np.tanh(x).sum(axis=1))
 
     def compiled(name):
-        from dasktensor._runners import _restored
+        from dasktensor.engine._runners import restored
 
-        return [len(r._pool) for r in _restored.values() if r.name == name]
+        return [len(r._pool) for r in restored() if r.name == name]
 
     per_worker = client.run(compiled, "tanh-sum")
     assert all(n == [1] for n in per_worker.values() if n), per_worker  # one runner, compiled once

@@ -217,7 +217,7 @@ def test_later_calls_reuse_the_vectorised_graph_and_read_data_at_call_time():
     the graph again."""
     import xarray as xr
 
-    from dasktensor._predictive import _vectorized_cache
+    from dasktensor.dataparallel._predictive import _vectorized_cache
 
     rng = np.random.default_rng(4)
     posterior = xr.Dataset(

@@ -224,14 +224,14 @@ def test_a_call_that_does_not_return_in_time_fails_and_the_next_one_works(four):
 def test_a_late_reply_is_never_read_as_the_answer_to_another_call(four):
     """A timed-out call's connection is not reused: its reply is read and dropped in a
     thread, and its worker counts as busy until then."""
-    from dasktensor.remote._replicas import _inflight
+    from dasktensor.remote._replicas import calls_in_flight
 
     model = dt.RemoteModel(Probe, name="probe", timeout=0.5, replicas=1, concurrency=2)
     (address,) = model.start()
     idle(address)  # late calls of earlier tests on this worker have ended
     with pytest.raises(TimeoutError, match=r"did not return within 0.5 s"):
         model.call("where", 2.0)
-    assert _inflight[address] == 1  # the late call still runs there
+    assert calls_in_flight().get(address) == 1  # the late call still runs there
     for k in (2.0, 3.0, 4.0):  # answered while it runs (concurrency=2), each its own answer
         assert model.call("scale", np.ones(1), k).tolist() == [k]
     idle(address)
@@ -240,17 +240,17 @@ def test_a_late_reply_is_never_read_as_the_answer_to_another_call(four):
 
 def idle(address: str) -> None:
     """Wait until this process counts no call in flight at ``address`` (at most 10 s)."""
-    from dasktensor.remote._replicas import _inflight
+    from dasktensor.remote._replicas import calls_in_flight
 
     deadline = time.monotonic() + 10
-    while _inflight.get(address, 0) and time.monotonic() < deadline:
+    while calls_in_flight().get(address, 0) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _inflight.get(address, 0) == 0, _inflight
+    assert calls_in_flight().get(address, 0) == 0, calls_in_flight()
 
 
 def test_an_interrupted_call_is_not_counted_as_running_nor_its_connection_reused(four):
     """Ctrl-C in the middle of a call (here: a signal handler raising KeyboardInterrupt)."""
-    from dasktensor.remote._replicas import _inflight
+    from dasktensor.remote._replicas import calls_in_flight
 
     def interrupt(*_):
         raise KeyboardInterrupt
@@ -265,7 +265,7 @@ def test_an_interrupted_call_is_not_counted_as_running_nor_its_connection_reused
             model.call("where", 1.5)
     finally:
         signal.signal(signal.SIGUSR1, old)
-    assert _inflight[address] == 0  # at once: the interrupted call is not counted
+    assert calls_in_flight().get(address, 0) == 0  # at once: the interrupted call is not counted
     for k in (2.0, 3.0):  # not the late reply of the interrupted call
         assert model.call("scale", np.ones(1), k).tolist() == [k]
     model.close()

@@ -10,7 +10,7 @@ import pymc as pm
 import pytest
 from test_pymc import FORK_WITH_THREADS
 
-from dasktensor import _demo
+from dasktensor.cli import _demo
 
 SEED = 20261130
 SETTINGS = {"draws": 20, "tune": 20, "random_seed": SEED, "progressbar": False}

@@ -29,7 +29,7 @@ CHANNEL = {"dasktensor.execute.path": "channel"}
 
 def _stages_here(dask_worker) -> dict[str, tuple[str, int]]:
     """On a worker: its resident stages, ``{model key: (task name, bytes received)}``."""
-    from dasktensor._resident import StageServer
+    from dasktensor.engine._resident import StageServer
 
     host = dask_worker.plugins.get("dasktensor-models")
     replicas = getattr(host, "replicas", {})

@@ -1,4 +1,4 @@
-"""Sharding analysis (``dasktensor._shard``): which graphs split into per-shard partial
+"""Sharding analysis (``dasktensor.sharding._analysis``): which graphs split into per-shard partial
 values and a combine graph, and that the split computes what the function computes.
 
 The PyMC models are compiled as ``pm.sample(compile_kwargs={"mode": "DASK"})`` compiles
@@ -23,7 +23,7 @@ from pytensor.tensor import blas
 
 import dasktensor  # noqa: F401  (registers the "DASK" mode)
 from dasktensor._compat import PYTENSOR_3
-from dasktensor._shard import NotSharded, ShardPlan, find_shards
+from dasktensor.sharding._analysis import NotSharded, ShardPlan, find_shards
 
 N = 20_000
 RNG = np.random.default_rng(42)

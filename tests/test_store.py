@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import zarr
 
-from dasktensor._store import SampleStore, StoreMismatchError
+from dasktensor.sampling._store import SampleStore, StoreMismatchError
 
 LAYOUT = {"mu": ((), "float64"), "z_log__": ((3,), "float64")}
 

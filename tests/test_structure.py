@@ -1,4 +1,11 @@
-"""The package's shape: no import cycles, modules that import alone, sizes a reader can hold.
+"""The package's shape: its layers, no import cycles, modules that import alone, one fork hook.
+
+The layers, from top to bottom; a unit imports only from units of lower layers (and from
+itself).  Units side by side in one layer do not import each other.  A subpackage's
+private modules are its own: other units import what it exports in its ``__init__``, and
+no unit imports another's private names.  ``dasktensor_worker`` imports nothing of
+dasktensor.  Size is a guideline (a few hundred lines a module, see the contributor
+guide), not a test: a cap makes code move to get under it, not to where it belongs.
 
 An import cycle held together by imports inside functions works until someone imports the
 modules in another order; these tests read the imports (function-level ones included) and
@@ -13,12 +20,31 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dasktensor", "dasktensor_worker")
-MAX_MODULE_LINES = 500
-MAX_CLASS_LINES = 200
+
+#: top to bottom; a unit is a subpackage of dasktensor, or a group of top-level modules
+LAYERS: list[dict[str, set[str]]] = [
+    {"cli": {"dasktensor.cli", "dasktensor.__main__"}},
+    {"api": {"dasktensor", "dasktensor._function", "dasktensor._linker"}},
+    {
+        "sampling": {"dasktensor.sampling"},
+        "dataparallel": {"dasktensor.dataparallel"},
+        "sharding": {"dasktensor.sharding"},
+    },
+    {"engine": {"dasktensor.engine"}},
+    {"remote": {"dasktensor.remote"}},
+    {"cluster": {"dasktensor.cluster"}, "ops": {"dasktensor.ops"}},
+    {
+        "placement": {"dasktensor._placement"},
+        "display": {"dasktensor._display"},
+        "config": {"dasktensor._config"},
+        "compat": {"dasktensor._compat"},
+        "runtime": {"dasktensor._runtime"},
+    },
+]
+#: the worker side, a package of its own below everything (it imports nothing of dasktensor)
+WORKER = "dasktensor_worker"
 
 
 def modules() -> dict[str, Path]:
@@ -33,23 +59,99 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The package modules that module ``name`` imports, anywhere in its body."""
+def unit_of(module: str) -> str | None:
+    """The unit of ``module``: the layer table's name for it, ``WORKER``, or None."""
+    if module == WORKER or module.startswith(WORKER + "."):
+        return WORKER
+    for layer in LAYERS:
+        for unit, roots in layer.items():
+            if any(
+                module == r or (r != "dasktensor" and module.startswith(r + ".")) for r in roots
+            ):
+                return unit
+    return None
+
+
+def rank(unit: str) -> int:
+    """The layer of ``unit``, 0 at the top."""
+    if unit == WORKER:
+        return len(LAYERS)
+    return next(i for i, layer in enumerate(LAYERS) if unit in layer)
+
+
+def import_statements(name: str, path: Path) -> list[tuple[int, str, list[str]]]:
+    """``(line, imported module, imported names)`` of every import in ``name``'s body
+    (function-level ones included), relative imports resolved."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out = set()
+    found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
+            found.extend((node.lineno, a.name, []) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parent + ([base] if base else []))
-            targets = [base] + [f"{base}.{a.name}" for a in node.names]
-        else:
-            continue
+            found.append((node.lineno, base, [a.name for a in node.names]))
+    return found
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules that module ``name`` imports, anywhere in its body."""
+    out = set()
+    for _, base, names in import_statements(name, path):
+        submodules = [f"{base}.{n}" for n in names]
+        # `from package import module` imports the module, not the package's own names
+        targets = submodules if names and all(m in known for m in submodules) else [base]
+        targets += submodules
         out.update(t for t in targets if t in known and t != name and t not in PACKAGES)
     return out
+
+
+def layering_problems(mods: dict[str, Path]) -> list[str]:
+    """What breaks the layering rules (the module docstring), one line each."""
+    problems = []
+    for name, path in sorted(mods.items()):
+        here = unit_of(name)
+        if here is None:
+            problems.append(f"{name}: in no layer of LAYERS (add its unit there)")
+            continue
+        for line, base, names in import_statements(name, path):
+            if base.split(".")[0] not in PACKAGES or base == name:
+                continue
+            there = unit_of(base)
+            if base == "dasktensor" and names and all(f"dasktensor.{n}" in mods for n in names):
+                # `from dasktensor import _config`: the modules themselves
+                targets = [f"dasktensor.{n}" for n in names]
+                pairs = [(t, unit_of(t), []) for t in targets]
+            else:
+                pairs = [(base, there, names)]
+            for target, unit, imported in pairs:
+                where = f"{path.relative_to(ROOT)}:{line}"
+                if here == WORKER:
+                    if unit != WORKER:
+                        problems.append(f"{where}: the worker side imports {target}")
+                    continue
+                if unit in (here, WORKER):
+                    continue
+                if rank(unit) <= rank(here):
+                    problems.append(
+                        f"{where}: {here} (layer {rank(here)}) imports {target} of {unit} "
+                        f"(layer {rank(unit)}): only lower layers may be imported"
+                    )
+                private = [p for p in target.split(".")[1:] if p.startswith("_")]
+                if private and not _top_level_module(target):
+                    problems.append(f"{where}: imports {target}, private to {unit}")
+                private_names = [n for n in imported if n.startswith("_")]
+                if private_names:
+                    problems.append(f"{where}: imports private {private_names} of {target}")
+    return problems
+
+
+def _top_level_module(module: str) -> bool:
+    """A module directly in dasktensor (``dasktensor._config``): the package's own, shared
+    by its subpackages."""
+    return module.count(".") == 1 and module.startswith("dasktensor.")
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -73,6 +175,39 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if m not in state and (cycle := visit(m)):
             return cycle
     return None
+
+
+def test_every_unit_imports_only_from_the_layers_below_it():
+    problems = layering_problems(modules())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_layering_check_finds_what_it_is_for(tmp_path):
+    """The check itself can fail: an upward import, a private module and a private name
+    of another unit, and the worker side importing dasktensor are each reported."""
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "_runners.py").write_text(
+        "from dasktensor.sampling import sample\n"  # up: engine is below sampling
+        "from dasktensor.remote._calls import call\n"  # a private module of remote
+        "from dasktensor.cluster import _Clients\n"  # a private name of cluster
+        "from dasktensor.engine._plan import Plan\n"  # its own unit: fine
+    )
+    (tmp_path / "wire.py").write_text("from dasktensor import _config\n")
+    mods = {
+        "dasktensor.engine._runners": tmp_path / "engine" / "_runners.py",
+        "dasktensor_worker.wire": tmp_path / "wire.py",
+    }
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        problems = layering_problems(mods)
+    finally:
+        ROOT = saved
+    assert len(problems) == 4, problems
+    assert "only lower layers may be imported" in problems[0]
+    assert "private to remote" in problems[1]
+    assert "private ['_Clients']" in problems[2]
+    assert "the worker side imports dasktensor" in problems[3]
 
 
 def test_the_import_graph_has_no_cycle():
@@ -114,13 +249,66 @@ def test_the_worker_side_imports_neither_pytensor_nor_dasktensor():
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("module", sorted(modules()))
-def test_modules_and_classes_stay_small_enough_to_read(module):
-    path = modules()[module]
-    source = path.read_text()
-    n_lines = source.count("\n")
-    assert n_lines <= MAX_MODULE_LINES, f"{path.name}: {n_lines} lines"
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ClassDef):
-            size = node.end_lineno - node.lineno + 1
-            assert size <= MAX_CLASS_LINES, f"{module}.{node.name}: {size} lines"
+def fork_state_problems(mods: dict[str, Path]) -> list[str]:
+    """Module-level locks, thread pools and fork hooks outside ``dasktensor._runtime``."""
+    made_per_process = {"Lock", "RLock", "Semaphore", "BoundedSemaphore", "Condition"}
+    made_per_process |= {"ThreadPoolExecutor", "register_at_fork"}
+    problems = []
+    for name, path in sorted(mods.items()):
+        if name == "dasktensor._runtime" or unit_of(name) == WORKER:
+            continue  # the runtime itself; the worker side keeps its own (one lock, one hook)
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else None
+            if isinstance(node.func, ast.Name):
+                called = node.func.id
+            if called == "register_at_fork":
+                problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: a fork hook")
+            elif called in made_per_process and _at_module_level(tree, node):
+                problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: a module-level {called}")
+    return problems
+
+
+def _at_module_level(tree: ast.Module, call: ast.Call) -> bool:
+    """Whether ``call`` runs when its module is imported (not inside a def or class)."""
+    for statement in tree.body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if any(n is call for n in ast.walk(statement)):
+            return True
+    return False
+
+
+def test_per_process_state_lives_in_the_runtime():
+    """Locks, pools and fork hooks kept per module would each need a reset after fork;
+    they come from ``dasktensor._runtime`` instead (its docstring says why)."""
+    problems = fork_state_problems(modules())
+    assert not problems, "\n".join(
+        problems
+        + ["keep such state in a dasktensor._runtime.ProcessState, locks from runtime.lock()"]
+    )
+
+
+def test_the_fork_state_check_finds_a_module_lock(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import os, threading\n_lock = threading.Lock()\n"
+        "def f():\n    return threading.Lock()\n"
+        "os.register_at_fork(after_in_child=f)\n"
+    )
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        problems = fork_state_problems({"dasktensor.bad": bad})
+    finally:
+        ROOT = saved
+    assert problems == ["bad.py:2: a module-level Lock", "bad.py:5: a fork hook"]
+
+
+def test_the_top_level_holds_few_modules_and_the_families_have_folders():
+    top = [p.name for p in (ROOT / "dasktensor").glob("*.py")]
+    subpackages = [p.name for p in (ROOT / "dasktensor").iterdir() if (p / "__init__.py").exists()]
+    assert len(top) <= 12, sorted(top)
+    assert len(subpackages) >= 5, subpackages

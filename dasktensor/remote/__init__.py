@@ -20,7 +20,7 @@ The caller's side, by concern (each module's docstring argues its part):
 * :mod:`~dasktensor.remote._calls`: one call's request, reply, retries and failover, and
   :func:`~dasktensor.remote._calls.call_many` for calls sent together;
 * :mod:`~dasktensor.remote._target`: :class:`RemoteMethod`, a model's method as the
-  function of a callable Op (a ``dasktensor._callable_ops.RemoteCallTarget``);
+  function of a callable Op (a ``dasktensor.ops._callable.RemoteCallTarget``);
 * :mod:`~dasktensor.remote._summary`: what the workers hold and answered
   (``dt.cluster_summary``, and a ``RemoteModel``'s view in Jupyter).
 
@@ -35,8 +35,10 @@ into ``pm.sample(cores=2)`` (fork or spawn) and reach the same replicas from the
 
 from __future__ import annotations
 
-from dasktensor.remote._model import RemoteModel
-from dasktensor.remote._spec import RemoteModelError
-from dasktensor.remote._target import RemoteMethod
+from dasktensor.remote._model import RemoteModel as RemoteModel
+from dasktensor.remote._spec import RemoteModelError as RemoteModelError
+from dasktensor.remote._summary import ClusterSummary as ClusterSummary
+from dasktensor.remote._summary import cluster_summary as cluster_summary
+from dasktensor.remote._target import RemoteMethod as RemoteMethod
 
-__all__ = ["RemoteMethod", "RemoteModel", "RemoteModelError"]
+__all__ = ["ClusterSummary", "RemoteMethod", "RemoteModel", "RemoteModelError", "cluster_summary"]

@@ -18,8 +18,9 @@ Dask (see :mod:`dasktensor_worker.wire` for the messages and the worker's side):
   certificate, as Dask's own TLS comms); without credentials the call is refused with
   :class:`WireRefused`, as is a failed handshake.
 * **Fork.**  A forked child (``pm.sample(cores=2)`` on Linux) starts with no
-  connections.  It keeps the parent's channel object alive without touching it: its
-  sockets belong to the parent.
+  connections: the channel is per-process state (:mod:`dasktensor._runtime`), and the
+  child keeps the parent's channel object alive without touching it, since its sockets
+  belong to the parent.
 
 Which worker a call goes to, and what a reply means, is decided by the callers of this
 module (``dasktensor.remote._replicas``, ``dasktensor.remote._calls``).
@@ -27,7 +28,6 @@ module (``dasktensor.remote._replicas``, ``dasktensor.remote._calls``).
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import ssl
@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable
 
 from dasktensor import _config
+from dasktensor._runtime import ProcessState, runtime
 from dasktensor_worker import wire
 
 
@@ -92,7 +93,7 @@ class Connection:
             pass
 
 
-class Channel:
+class Channel(ProcessState):
     """This process's idle connections, by worker endpoint, and TLS contexts by cluster."""
 
     def __init__(self):
@@ -218,26 +219,6 @@ def security_key(security):
     return tuple(sorted((k, v) for k, v in fields if isinstance(v, str | bool)))
 
 
-_channel: Channel | None = None
-_channel_lock = threading.Lock()
-# a parent's channel, kept from the garbage collector in a forked child (see above)
-_inherited: list[Channel] = []
-
-
 def get_channel() -> Channel:
-    """This process's channel (created on first use)."""
-    global _channel
-    with _channel_lock:
-        if _channel is None:
-            _channel = Channel()
-        return _channel
-
-
-def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
-    global _channel, _channel_lock
-    if _channel is not None:
-        _inherited.append(_channel)
-    _channel, _channel_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
+    """This process's channel (created on first use; a forked child gets its own)."""
+    return runtime.state(Channel)

@@ -16,9 +16,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dasktensor._callable_ops import ArraysToArraysOp, LogpGradOp, LogpOp
-from dasktensor._cluster import SchedulerRef
 from dasktensor._placement import Placement, check_name
+from dasktensor.cluster import SchedulerRef
+from dasktensor.ops import ArraysToArraysOp, LogpGradOp, LogpOp
 from dasktensor.remote._calls import call
 from dasktensor.remote._replicas import build_counts, holders, owned, release, replica_set
 from dasktensor.remote._spec import ModelSpec
@@ -27,7 +27,7 @@ from dasktensor.remote._target import RemoteMethod
 
 
 def _label(text: str) -> str:
-    """Letters and dashes only (see ``dasktensor._plan.op_label``)."""
+    """Letters and dashes only (see ``dasktensor.engine._plan.op_label``)."""
     label = re.sub(r"[^a-z]+", "-", text.lower()).strip("-")
     return label or "model"
 

@@ -6,49 +6,41 @@
   worker (``replicas=None``) or on ``replicas`` of them: the model's preferred
   ``workers`` first (in their order, those alive), then starting at a worker that
   depends on the model's key, so that models spread over the workers.  ``factory()``
-  runs once per worker (the worker's ``ModelHost`` builds each key once).
-* **Resources held.**  While a replica lives, a seceded task on its worker
-  (``hold-<name>``, body ``dasktensor_worker.tasks.hold_resources``) holds the model's
-  ``resources``: Dask runs no other task asking for them beside the replica.  It ends
-  when the worker drops the replica.  The build task asks for none (it would wait
-  behind the holder of a replica another process built there meanwhile).
+  runs once per worker (the worker's ``ModelHost`` builds each key once).  The build
+  asks for no resources when the replica holds them (``dasktensor.remote._leases``): it
+  would wait behind the holder of a replica another process built there meanwhile.
 * **Discovery asks the workers** (``client.run(endpoint, key)``): which hold a replica,
   and where their call servers listen; so another process (a sampler child, an
-  unpickled copy) finds the replicas this one built.
+  unpickled copy) finds the replicas this one built.  Workers that do not answer a probe
+  are not asked (``dasktensor.remote._probes``).
 * **Dropping.**  A replica whose worker failed, or that answered that it no longer holds
   the model, is dropped from the list (and its pooled connections closed); with none
   left, the next call finds or builds replicas again where Dask has workers.
 * **Refreshing.**  Every ``dasktensor.remote.refresh-interval`` of use the list is matched
   to the cluster again, in a background thread, so new or restarted workers get replicas.
-* **Lifetime.**  The process that created a model (its ``RemoteModel``) holds a *lease*
-  for its replicas: a tiny Dask task (``dasktensor-lease-<key>-<n>``) its client keeps
-  wanted, named in the builds it makes.  The workers' ``ModelHost`` asks the scheduler
-  every second whether the leases of its replicas still exist, and drops the replicas
-  of a lease that is gone: the ``RemoteModel`` was garbage-collected here (a finalizer
-  releases the lease and the replicas; see :func:`owned`), or this process or its
-  client went away, killed included, which makes the scheduler forget its keys.  Other processes (sampler
-  children, unpickled copies) hold no lease: what they rebuild lives until ``close()``
-  or the owner's finalizer.
+* **Lifetime.**  The replicas of a model created in this process live as long as its
+  ``RemoteModel`` (:func:`owned`; the leases are ``dasktensor.remote._leases``).
 * **Choosing.**  :meth:`ReplicaSet.pick` applies the pure policy of
   ``dasktensor.remote._policy`` to this process's state: the model's home (from numbers
   the scheduler hands out) and the calls in flight per worker, over all models.
 
-Everything here is per process and keyed by the model's key (module globals, reset after
-``fork``), never stored on the ``RemoteModel``: the model pickles without it.
+Everything here is per process (:mod:`dasktensor._runtime`: a forked child starts with
+none of it) and keyed by the model's key, never stored on the ``RemoteModel``: the model
+pickles without it.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 from dasktensor import _config
-from dasktensor._cluster import (
+from dasktensor._placement import Placement
+from dasktensor._runtime import ProcessState, runtime
+from dasktensor.cluster import (
     SchedulerLostError,
     carrying,
     check_resources,
@@ -59,9 +51,18 @@ from dasktensor._cluster import (
     submit,
     task_slot_released,
 )
-from dasktensor._placement import Placement
 from dasktensor.remote._channel import get_channel
+from dasktensor.remote._leases import (
+    drop,
+    drop_hold,
+    hold_lease,
+    hold_resources,
+    lease_of,
+    own,
+    release_in_background,
+)
 from dasktensor.remote._policy import choose_replica, home_replica
+from dasktensor.remote._probes import answering, answering_workers, answers, suspects
 from dasktensor.remote._spec import ModelSpec, RemoteModelError
 from dasktensor_worker import tasks
 
@@ -78,6 +79,7 @@ class ReplicaSet:
         self.addresses: list[str] = []  # sorted: the same order in every process
         self.endpoints: dict[str, tuple] = {}  # address -> its call server (host, port, tls)
         self.number = 0  # the model's number on the cluster (see _number)
+        self.process_number = 0  # this process's, likewise
         self.security = None  # the client's distributed.Security (TLS clusters)
         self.checked = 0.0  # time.monotonic() of the last look at the cluster
         self.interval = 0.0  # dasktensor.remote.refresh-interval, read at each look
@@ -92,12 +94,14 @@ class ReplicaSet:
             elif time.monotonic() - self.checked > self.interval:
                 self._refresh_in_background()
             addresses = self.addresses
-            if _suspects:  # workers that did not answer a probe: not while others are there
-                addresses = [a for a in addresses if a not in _suspects] or addresses
-            home = home_replica(self.number, _process_number, len(addresses))
-        with _inflight_lock:
-            address = addresses[choose_replica(addresses, home, _inflight)]
-            _inflight[address] = _inflight.get(address, 0) + 1
+            suspected = suspects()
+            if suspected:  # workers that did not answer a probe: not while others are there
+                addresses = [a for a in addresses if a not in suspected] or addresses
+            home = home_replica(self.number, self.process_number, len(addresses))
+        state = runtime.state(_Replicas)
+        with state.inflight_lock:
+            address = addresses[choose_replica(addresses, home, state.inflight)]
+            state.inflight[address] = state.inflight.get(address, 0) + 1
         return address
 
     def endpoint(self, address: str) -> tuple:
@@ -121,15 +125,11 @@ class ReplicaSet:
     def answers(self, address: str, timeout: float) -> bool:
         """Whether the worker at ``address`` answers a probe within ``timeout`` seconds;
         one that does not becomes a suspect: no replica of any model is looked for or
-        built there until it answers again (see :func:`_answering`)."""
+        built there until it answers again (see :mod:`dasktensor.remote._probes`)."""
         endpoint = self.endpoints.get(address)
         if endpoint is None:
             return True  # nothing to probe: the call's own outcome will tell
-        if get_channel().probe(address, endpoint, self.security, timeout):
-            return True
-        with _inflight_lock:
-            _suspects[address] = (endpoint, self.security)
-        return False
+        return answers(address, endpoint, self.security, timeout)
 
     def start(self) -> list[str]:
         """Find or build the replicas now; their workers."""
@@ -141,25 +141,24 @@ class ReplicaSet:
         """Forget the replica at ``address`` (its worker failed, or no longer holds it)."""
         with self.lock:  # a new list: other threads may be reading the old one
             self.addresses = [a for a in self.addresses if a != address]
-        hold = _holds.get(self.spec.key, {}).pop(address, None)
-        if hold is not None:  # its worker is gone, or it ended with the replica
-            hold.cancel()
+        drop_hold(self.spec.key, address)
         get_channel().forget(address)
 
     def _ensure(self) -> None:
         """Find or build the replicas (called with ``self.lock`` held)."""
-        global _process_number
         client = self.spec.client()
         show_calls_page(client)
-        _hold_lease(self.spec, client)
+        hold_lease(self.spec, client)
         self._use(self._find_or_build(client))
         self.checked = time.monotonic()
         self.interval = _config.seconds("remote.refresh-interval")
         self.probe_after = _config.seconds("remote.probe-after")
         self.probe_timeout = _config.seconds("remote.probe-timeout")
         self.security = getattr(client, "security", None)
-        if _process_number is None:
-            _process_number = _number(client, "process", None)
+        state = runtime.state(_Replicas)
+        if state.process_number is None:
+            state.process_number = _number(client, "process", None)
+        self.process_number = state.process_number
         self.number = _number(client, "model", self.spec.key)
 
     def _refresh_in_background(self) -> None:
@@ -199,7 +198,7 @@ class ReplicaSet:
             )
         if spec.resources:
             check_resources(client, [Placement(resources=spec.resources)])
-        workers = _answering(scheduler_workers(client), self.endpoints, self.security)
+        workers = answering_workers(scheduler_workers(client), self.endpoints, self.security)
         eligible = [a for a, w in workers.items() if offers(w.get("resources"), spec.resources)]
         if spec.only_workers:
             eligible = [a for a in eligible if a in _named(spec, eligible, workers)]
@@ -221,7 +220,7 @@ class ReplicaSet:
             free = [a for a in eligible if a not in holders]
             targets = _in_order(spec, free, workers)[: wanted - len(holders)]
             # Placed on the chosen worker only; with no resources when the replica holds
-            # them (see _hold_resources): a build asking for them would wait behind the
+            # them (see hold_resources): a build asking for them would wait behind the
             # holder of a replica another process built there meanwhile.
             hold = bool(spec.resources) and spec.hold_resources
             with carrying(getattr(spec.factory, "nbytes", 0)):
@@ -233,7 +232,7 @@ class ReplicaSet:
                         spec.name,
                         spec.factory,
                         spec.concurrency,
-                        _lease_of(spec, client),
+                        lease_of(spec, client),
                         key=f"build-{spec.name}-{uuid.uuid4().hex}",
                         placement=Placement(
                             resources=None if hold else spec.resources or None, workers=[a]
@@ -244,7 +243,7 @@ class ReplicaSet:
             with task_slot_released():  # (called from a task: see there)
                 built = _gather_builds(client, futures)  # a factory's error is raised here
             if hold:
-                _hold_resources(spec, client, [a for a, new in built if new])
+                hold_resources(spec, client, [a for a, new in built if new])
             held.update(_endpoints(client, spec.key, [a for a, _ in built if a not in held]))
         return held
 
@@ -265,54 +264,6 @@ def _gather_builds(client, futures: dict) -> list[tuple[str, bool]]:
             for gone in [a for a in pending if a not in alive]:
                 pending.pop(gone).cancel()
     return results
-
-
-def _hold_resources(spec: ModelSpec, client, addresses: list[str]) -> None:
-    """Take the model's ``resources`` on each of ``addresses`` (workers that have just
-    built a replica) for as long as the replica lives there: one seceded task each
-    (``hold-<name>``, see ``dasktensor_worker.tasks.hold_resources``), kept wanted by
-    this process until the replica is dropped."""
-    held = _holds.setdefault(spec.key, {})
-    for address in addresses:
-        held[address] = submit(
-            client,
-            tasks.hold_resources,
-            spec.key,
-            key=f"hold-{spec.name}-{uuid.uuid4().hex}",
-            placement=Placement(resources=spec.resources, workers=[address]),
-        )
-
-
-def _answering(workers: dict[str, dict], known: dict[str, tuple], security) -> dict:
-    """``workers`` without those whose call server does not answer a probe: asking a
-    silent worker through Dask (``client.run``) would wait for Dask's connect timeout
-    (30 s), holding up every call that waits for this look.  Probed: the suspects, and
-    the workers whose call servers this replica set knows (``known``, address ->
-    endpoint: a few sub-millisecond round trips when all is well); a worker never seen
-    cannot be probed.  A suspect that answers is one no more; one the scheduler dropped
-    is forgotten."""
-    with _inflight_lock:
-        for gone in set(_suspects) - set(workers):
-            del _suspects[gone]
-        probes = {a: (e, security) for a, e in known.items() if a in workers}
-        probes.update((a, s) for a, s in _suspects.items())
-    if not probes:
-        return workers
-    timeout = _config.seconds("remote.probe-timeout")
-
-    def probe(item):
-        address, (endpoint, creds) = item
-        return address, get_channel().probe(address, endpoint, creds, timeout)
-
-    with ThreadPoolExecutor(min(8, len(probes)), thread_name_prefix="dasktensor-probe") as pool:
-        answered = dict(pool.map(probe, probes.items()))
-    with _inflight_lock:
-        for address, yes in answered.items():
-            if yes:
-                _suspects.pop(address, None)
-            else:
-                _suspects[address] = probes[address]
-        return {a: w for a, w in workers.items() if a not in _suspects}
 
 
 def _endpoints(client, key: str, among: list[str]) -> dict[str, tuple]:
@@ -339,6 +290,43 @@ def _named(spec: ModelSpec, among: list[str], workers: dict[str, dict]) -> list[
     return [a for w in spec.workers or () for a in among if w == a or str(w) == str(names[a])]
 
 
+class _Replicas(ProcessState):
+    """This process's replica sets (by model key), the calls it has in flight per worker
+    over all models (independent calls of different models go to different workers
+    too), and its number on the cluster (see ``dasktensor.remote._policy``)."""
+
+    def __init__(self):
+        self.sets: dict[str, ReplicaSet] = {}
+        self.lock = threading.Lock()
+        self.inflight: dict[str, int] = {}
+        self.inflight_lock = threading.Lock()
+        self.process_number: int | None = None
+
+
+def replica_set(spec: ModelSpec) -> ReplicaSet:
+    """This process's :class:`ReplicaSet` of the model (created on first use)."""
+    state = runtime.state(_Replicas)
+    with state.lock:
+        found = state.sets.get(spec.key)
+        if found is None:
+            found = state.sets[spec.key] = ReplicaSet(spec)
+        return found
+
+
+def done(address: str) -> None:
+    """A call to ``address`` picked by :meth:`ReplicaSet.pick` has ended (in any way)."""
+    state = runtime.state(_Replicas)
+    with state.inflight_lock:
+        state.inflight[address] = state.inflight.get(address, 1) - 1
+
+
+def calls_in_flight() -> dict[str, int]:
+    """The calls this process has in flight, by worker address."""
+    state = runtime.state(_Replicas)
+    with state.inflight_lock:
+        return {a: n for a, n in state.inflight.items() if n}
+
+
 def owned(model, spec: ModelSpec) -> None:
     """``model`` (a ``RemoteModel`` with ``spec``) was created in this process: hold its
     lease here, and release its replicas when ``model`` is garbage-collected.
@@ -347,78 +335,20 @@ def owned(model, spec: ModelSpec) -> None:
     they have seen (``OpToRewriterTracker.get_trackers`` is a ``functools.cache``), so
     an Op, once compiled, lives as long as the process.  An Op called after its model
     was collected builds the model again, held for the rest of the process's life."""
-    _owned.add(spec)
+    own(spec)
     weakref.finalize(model, _forget, spec.key, spec.scheduler)
-
-
-def _hold_lease(spec: ModelSpec, client) -> None:
-    """Make sure this process holds a lease for the replicas of a model it created, on
-    ``client`` (a new one if the last was taken on a client since closed)."""
-    if spec not in _owned:
-        return
-    lease = _leases.get(spec.key)
-    if lease is not None and lease.client is client and lease.status != "cancelled":
-        return
-    key = f"dasktensor-lease-{spec.key}-{uuid.uuid4().hex[:8]}"
-    _leases[spec.key] = client.submit(tasks.lease, key=key, pure=False)
-
-
-def _lease_of(spec: ModelSpec, client) -> str | None:
-    """The key of the lease this process holds for ``spec`` on ``client``, if any."""
-    lease = _leases.get(spec.key)
-    return lease.key if lease is not None and lease.client is client else None
 
 
 def _forget(key: str, scheduler) -> None:
     """Finalizer of a model created here: drop its lease (the workers then drop its
-    replicas within a second) and release them at once, in a thread (see
-    ``dasktensor._resident._release``).  No locks: the collector may run anywhere,
-    also in a thread that holds one of this module's."""
-    _sets.pop(key, None)
-    _leases.pop(key, None)
-    _holds.pop(key, None)
-    try:
-        threading.Thread(
-            target=_release_key, args=(key, scheduler), name="dasktensor-release", daemon=True
-        ).start()
-    except RuntimeError:  # at interpreter shutdown: the client's closing drops the lease
-        pass
-
-
-def _release_key(key: str, scheduler) -> None:
-    """Release ``key`` through the model's client if it still runs; never through a new
-    one (a client gone took the lease with it: the workers drop the replicas anyway)."""
-    try:
-        client = scheduler.running_client()
-        if client is not None:
-            client.run(tasks.release, key, on_error="ignore")
-    except Exception:  # the cluster is gone already: nothing left to release
-        pass
-
-
-def replica_set(spec: ModelSpec) -> ReplicaSet:
-    """This process's :class:`ReplicaSet` of the model (created on first use)."""
-    with _sets_lock:
-        found = _sets.get(spec.key)
-        if found is None:
-            found = _sets[spec.key] = ReplicaSet(spec)
-        return found
-
-
-def done(address: str) -> None:
-    """A call to ``address`` picked by :meth:`ReplicaSet.pick` has ended (in any way)."""
-    with _inflight_lock:
-        _inflight[address] = _inflight.get(address, 1) - 1
+    replicas within a second) and release them at once, in a thread.  No locks: the
+    collector may run anywhere, also in a thread that holds one of this module's."""
+    runtime.state(_Replicas).sets.pop(key, None)
+    drop(key)
+    release_in_background(key, scheduler)
 
 
 # -- the cluster's view (asks the workers) --------------------------------------------------
-
-
-def answering(client) -> list[str]:
-    """The scheduler's workers but those that did not answer a probe (suspects, probed
-    again now): ``client.run`` on a silent worker waits for Dask's connect timeout."""
-    workers = _answering(scheduler_workers(client), {}, getattr(client, "security", None))
-    return list(workers)
 
 
 def holders(spec: ModelSpec) -> list[str]:
@@ -437,11 +367,11 @@ def build_counts(spec: ModelSpec) -> dict[str, int]:
 
 def release(spec: ModelSpec) -> None:
     """Drop the model's replicas from the workers, and this process's state of them."""
-    _leases.pop(spec.key, None)
-    _holds.pop(spec.key, None)
+    drop(spec.key)
     spec.client().run(tasks.release, spec.key)
-    with _sets_lock:
-        _sets.pop(spec.key, None)
+    state = runtime.state(_Replicas)
+    with state.lock:
+        state.sets.pop(spec.key, None)
 
 
 def _number(client, kind: str, key: str | None) -> int:
@@ -451,40 +381,3 @@ def _number(client, kind: str, key: str | None) -> int:
         return client.run_on_scheduler(tasks.next_number, kind, key)
     except Exception:  # a scheduler that cannot import dasktensor_worker: spread at random
         return random.randrange(1 << 30) if key is None else hash(key)
-
-
-# -- per-process state ----------------------------------------------------------------------
-
-_sets: dict[str, ReplicaSet] = {}
-_sets_lock = threading.Lock()
-# the specs created in this process, and the leases it holds for them (key -> Future)
-_owned: weakref.WeakSet[ModelSpec] = weakref.WeakSet()
-_leases: dict = {}
-# the tasks holding the resources of the replicas this process built: key -> {address: Future}
-_holds: dict[str, dict] = {}
-_inherited: list = []
-# calls this process has in flight per worker, over all models: independent calls of
-# different models go to different workers too
-_inflight: dict[str, int] = {}
-_inflight_lock = threading.Lock()  # also guards _suspects
-# workers that did not answer a probe: address -> (endpoint, security) to probe again
-_suspects: dict[str, tuple] = {}
-_process_number: int | None = None
-
-
-def _reset_after_fork() -> None:  # pragma: no cover - runs in forked children
-    global _sets_lock, _inflight_lock, _process_number
-    _process_number = None
-    _sets.clear()
-    _sets_lock = threading.Lock()
-    _owned.clear()  # a forked sampler is not the owner: its parent holds the leases
-    _inherited.extend(_leases.values())  # kept: releasing them here would wake the
-    _leases.clear()  # parent's event loop through the pipe the two share
-    _inherited.extend(f for held in _holds.values() for f in held.values())
-    _holds.clear()
-    _inflight.clear()
-    _inflight_lock = threading.Lock()
-    _suspects.clear()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dasktensor._cluster import SchedulerLostError, SchedulerRef
+from dasktensor.cluster import SchedulerLostError, SchedulerRef
 
 
 class RemoteModelError(RuntimeError):

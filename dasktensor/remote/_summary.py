@@ -20,9 +20,9 @@ from collections import Counter
 from dataclasses import dataclass
 from html import escape
 
-from dasktensor._cluster import SchedulerRef, scheduler_workers
 from dasktensor._display import items, table
-from dasktensor.remote._replicas import answering
+from dasktensor.cluster import SchedulerRef, scheduler_workers
+from dasktensor.remote._probes import answering
 from dasktensor_worker import tasks
 
 

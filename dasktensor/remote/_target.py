@@ -2,7 +2,7 @@
 
 ``model.logp_grad_op("logp_grad", itypes)`` makes a ``LogpGradOp`` whose function is
 ``RemoteMethod(spec, "logp_grad")``.  Being a ``RemoteCallTarget`` (the protocol of
-``dasktensor._callable_ops``) makes the Op *remote*: the planner gives it the role
+``dasktensor.ops._callable``) makes the Op *remote*: the planner gives it the role
 ``remote`` (made from the caller), and ``ParallelCallsOp`` sends independent calls
 together through :meth:`RemoteMethod.call_together`.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dasktensor._callable_ops import RemoteCallTarget
+from dasktensor.ops import RemoteCallTarget
 from dasktensor.remote._calls import call, call_many
 from dasktensor.remote._spec import ModelSpec
 

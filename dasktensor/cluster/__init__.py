@@ -1,0 +1,66 @@
+"""Cluster plumbing: which Client a call uses, what the workers offer, one submit path.
+
+Everything in dasktensor that talks to a distributed cluster goes through here: the engine
+(cluster tasks), remote models (replica builds), ``dt.sample`` (segments) and ``pmap``
+(finding the client).
+
+* **Which scheduler** (``_client.py``).  :class:`SchedulerRef` keeps a function's choice
+  (a Client, an address, a local scheduler, or Dask's own resolution at call time) in a
+  form that pickles: a Client pickles as its address and each process reconnects lazily
+  (:func:`client_for_address`, one Client per process and address).
+* **Resources** (``_workers.py``).  A task asking for resources that no worker offers
+  would wait forever; :func:`check_resources` waits up to
+  ``dasktensor.placement.resource-timeout`` for such a worker and raises
+  :class:`NoWorkerWithResourcesError` naming what the workers offer.
+* **Submitting** (``_submit.py``).  :func:`submit` is the one place a task goes to the
+  cluster, with its :class:`~dasktensor.Placement` turned into ``client.submit``
+  keywords.
+* **Connecting** (``_connect.py``).  ``dt.connect``: a Client of a running cluster or of
+  an embedded ``LocalCluster`` on 127.0.0.1.
+* **Errors** (``_errors.py``).  :class:`SchedulerLostError`, and how a lost scheduler is
+  recognised.
+* **The calls page** (``_dashboard.py``).  :func:`show_calls_page` adds
+  ``/dasktensor/calls`` to the scheduler's dashboard, where the remote-call channel's
+  calls show, which Dask's task stream cannot.
+
+A forked child forgets the Clients of its parent and Dask's thread pools
+(:mod:`dasktensor._runtime`), and reconnects to the same scheduler on first use.
+"""
+
+from dasktensor.cluster._client import SchedulerRef as SchedulerRef
+from dasktensor.cluster._client import client_for_address as client_for_address
+from dasktensor.cluster._client import default_client as default_client
+from dasktensor.cluster._client import is_client as is_client
+from dasktensor.cluster._connect import configured_address as configured_address
+from dasktensor.cluster._connect import connect as connect
+from dasktensor.cluster._dashboard import calls_link as calls_link
+from dasktensor.cluster._dashboard import show_calls_page as show_calls_page
+from dasktensor.cluster._errors import NoWorkerWithResourcesError as NoWorkerWithResourcesError
+from dasktensor.cluster._errors import SchedulerLostError as SchedulerLostError
+from dasktensor.cluster._errors import lost_scheduler as lost_scheduler
+from dasktensor.cluster._submit import carrying as carrying
+from dasktensor.cluster._submit import submit as submit
+from dasktensor.cluster._submit import task_slot_released as task_slot_released
+from dasktensor.cluster._workers import check_resources as check_resources
+from dasktensor.cluster._workers import offers as offers
+from dasktensor.cluster._workers import scheduler_workers as scheduler_workers
+
+__all__ = [
+    "NoWorkerWithResourcesError",
+    "SchedulerLostError",
+    "SchedulerRef",
+    "calls_link",
+    "carrying",
+    "check_resources",
+    "client_for_address",
+    "configured_address",
+    "connect",
+    "default_client",
+    "is_client",
+    "lost_scheduler",
+    "offers",
+    "scheduler_workers",
+    "show_calls_page",
+    "submit",
+    "task_slot_released",
+]

@@ -1,0 +1,163 @@
+"""The worker side of ``dt.sample``: a run's step method, and the segments that use it.
+
+* **One step method per run and worker.**  The caller pickles the step method PyMC
+  compiled, once per run, and installs it on every worker -- present, joining or
+  restarted -- with a worker plugin (:class:`StepMethod`): segments name their run by its
+  token only.  (Were the step method a Dask value that segments depend on, the scheduler
+  would keep sending them to the worker holding it while others idle: measured, one of
+  two workers idle for the first 6 s of a 15 s run.)  A worker unpickles it, compiling
+  its functions, on the first segment it runs, under the process's and the host's compile
+  lock (``dasktensor.engine._runners.compiling``), and keeps it, one per thread running segments
+  at once, until the run ends.
+* **A segment** (:func:`run_segment`) restores a chain's state into that step method and
+  makes draws as PyMC's ``_iter_sample`` does (see :mod:`dasktensor.sampling._chains`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from dasktensor import _compat
+from dasktensor._runtime import ProcessState, runtime
+
+
+class _StepMethods(ProcessState):
+    """On a worker: each run's pickled step method (installed by its StepMethod plugin),
+    the idle compiled step methods unpickled from it (one per thread that ran a segment
+    of the run at once), and how many times each was unpickled (compiled)."""
+
+    def __init__(self):
+        self.payloads: dict[str, bytes] = {}
+        self.steps: dict[str, list] = {}
+        self.compiles: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+
+def _state() -> _StepMethods:
+    return runtime.state(_StepMethods)
+
+
+class StepMethod(WorkerPlugin):
+    """A run's pickled step method, on every worker of the cluster, present and future
+    (``client.register_plugin``); its teardown drops the run's compiled step methods.
+
+    Examples
+    --------
+    >>> plugin = StepMethod("t0", pickle.dumps("a step method"))
+    >>> plugin.setup(worker=None); (_checkout("t0"), compiles("t0"))
+    ('a step method', 1)
+    >>> plugin.teardown(worker=None); forget("t0")
+    0
+    """
+
+    def __init__(self, token: str, payload: bytes):
+        self.token, self.payload = token, payload
+        self.name = f"dasktensor-step-method-{token}"
+
+    def setup(self, worker) -> None:
+        state = _state()
+        with state.lock:
+            state.payloads[self.token] = self.payload
+
+    def teardown(self, worker) -> None:
+        forget(self.token)
+
+
+def _checkout(token: str):
+    """An idle compiled step method of run ``token``, or a new one from its payload."""
+    from dasktensor.engine import compiling
+
+    state = _state()
+    with state.lock:
+        idle = state.steps.get(token)
+        if idle:
+            return idle.pop()
+        payload = state.payloads.get(token)
+    if payload is None:  # pragma: no cover - the plugin is set up before any task runs
+        raise RuntimeError(f"this worker has no step method of run {token} (its plugin is gone)")
+    with compiling():
+        step = pickle.loads(payload)
+    with state.lock:
+        state.compiles[token] = state.compiles.get(token, 0) + 1
+    return step
+
+
+def _checkin(token: str, step) -> None:
+    state = _state()
+    with state.lock:
+        if token in state.payloads:  # a run that ended meanwhile: the step method goes
+            state.steps.setdefault(token, []).append(step)
+
+
+def forget(token: str) -> int:
+    """Drop run ``token``'s step methods from this process; how many it had compiled."""
+    state = _state()
+    with state.lock:
+        state.payloads.pop(token, None)
+        state.steps.pop(token, None)
+        return state.compiles.pop(token, 0)
+
+
+def has_run(token: str) -> bool:
+    """Whether this process has run ``token``'s step method (its plugin was set up)."""
+    state = _state()
+    with state.lock:
+        return token in state.payloads
+
+
+def compiles(token: str) -> int:
+    """How many times this process compiled run ``token``'s step method so far."""
+    state = _state()
+    with state.lock:
+        return state.compiles.get(token, 0)
+
+
+@dataclass
+class Start:
+    """Where a segment starts: a chain's state, or its beginning (``rng`` set)."""
+
+    state: object
+    point: dict
+    #: the chain's random generator, for a chain's first segment (else None)
+    rng: object = None
+
+
+def run_segment(token: str, start: Start, first: int, last: int, tune: int, length: int) -> dict:
+    """On a worker: draws ``[first, last)`` of a chain from ``start``, as PyMC's
+    ``_iter_sample`` makes them; the points, sampler statistics and state after them."""
+    step = _checkout(token)
+    try:
+        step.sampling_state = start.state
+        if start.rng is not None:  # the chain's beginning, as pm.sample sets it up
+            _compat.setup_chain(step, start.rng, tune, length - tune)
+            step.tune = bool(tune)
+            if hasattr(step, "reset_tuning"):
+                step.reset_tuning()
+        point, points, stats = aligned(start.point), [], []
+        began = time.perf_counter()
+        for i in range(first, last):
+            if i == 0 and hasattr(step, "iter_count"):
+                step.iter_count = 0
+            if i == tune:
+                step.stop_tuning()
+            point, draw_stats = step.step(point)
+            points.append(point)
+            stats.append(draw_stats)
+        seconds = time.perf_counter() - began
+        stacked = {name: np.stack([p[name] for p in points]) for name in point}
+        return {"points": stacked, "stats": stats, "state": step.sampling_state,
+                "point": point, "seconds": seconds}  # fmt: skip
+    finally:
+        _checkin(token, step)
+
+
+def aligned(arrays: dict) -> dict:
+    """Arrays as compiled functions take them: arrays that arrive in a network frame may
+    be unaligned."""
+    return {name: np.require(a, requirements=["A"]) for name, a in arrays.items()}
