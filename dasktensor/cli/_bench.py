@@ -36,7 +36,7 @@ def benchmarks_dir() -> Path:
     FileNotFoundError
         There is no ``benchmarks/run_all.py`` beside the package (installed from a wheel).
     """
-    package = Path(__file__).resolve().parent  # the dasktensor package
+    package = Path(__file__).resolve().parent.parent  # the dasktensor package
     where = package.parent / "benchmarks"
     if not (where / "run_all.py").is_file():
         raise FileNotFoundError(
