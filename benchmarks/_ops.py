@@ -11,6 +11,8 @@ from pytensor.graph.basic import Apply
 from pytensor.graph.op import Op
 from pytensor.tensor import as_tensor_variable
 
+from dasktensor_worker import batched as dt_batched
+
 
 class Sleep(Op):
     """``y = x + 1`` after sleeping ``seconds``: a stand-in for a remote model call.
@@ -57,3 +59,65 @@ class Normal:
         if self.delay:
             time.sleep(self.delay)
         return -0.5 * float(x @ x), -x
+
+
+class GpuPriced:
+    """P14/P15: a normal likelihood over 1,000 rows priced like a GPU model: ``base`` s a
+    call plus ``per_row`` s per row of it (slept), whatever the arithmetic costs.
+    ``logp`` is batched; ``logp_alone`` is the same arithmetic for one vector, unbatched."""
+
+    def __init__(self, base: float = 0.010, per_row: float = 0.0005):
+        self.data = np.random.default_rng(0).normal(1.0, 0.5, size=1000)
+        self.base, self.per_row = base, per_row
+
+    @dt_batched(max_size=64)
+    def logp(self, theta):  # (calls, 2): mu, log_sigma
+        time.sleep(self.base + self.per_row * len(theta))
+        r = self.data[None, :] - theta[:, 0:1]
+        return -0.5 * (r**2).sum(axis=1) * np.exp(-2 * theta[:, 1]) - 1000 * theta[:, 1]
+
+    def logp_alone(self, theta):  # (2,)
+        time.sleep(self.base + self.per_row)
+        r = self.data - theta[0]
+        return -0.5 * (r**2).sum() * np.exp(-2 * theta[1]) - 1000 * theta[1]
+
+    @dt_batched(max_size=64)
+    def logp_grad(self, theta):
+        time.sleep(self.base + self.per_row * len(theta))
+        mu, log_sigma = theta[:, 0:1], theta[:, 1:2]
+        r = self.data[None, :] - mu
+        s = np.exp(-2 * log_sigma)
+        logp = -0.5 * (r**2 * s).sum(axis=1) - 1000 * log_sigma[:, 0]
+        return logp, np.stack([(r * s).sum(axis=1), (r**2 * s).sum(axis=1) - 1000], axis=1)
+
+    def logp_grad_alone(self, theta):
+        time.sleep(self.base + self.per_row)
+        r = self.data - theta[0]
+        s = np.exp(-2 * theta[1])
+        logp = -0.5 * (r**2 * s).sum() - 1000 * theta[1]
+        return logp, np.array([(r * s).sum(), (r**2 * s).sum() - 1000])
+
+
+class MLP:
+    """P17: a CPU stand-in for a neural surrogate, 2 layers of 1,000 x 1,000 (tanh), from
+    a parameter vector of 2 to a scalar."""
+
+    def __init__(self, width: int = 1000):
+        rng = np.random.default_rng(0)
+        self.w0 = rng.normal(size=(2, width))
+        self.w1 = rng.normal(size=(width, width)) / np.sqrt(width)
+        self.w2 = rng.normal(size=(width, width)) / np.sqrt(width)
+        self.out = rng.normal(size=width) / np.sqrt(width)
+
+    @dt_batched(max_size=64)
+    def forward(self, theta):  # (calls, 2)
+        h = np.tanh(theta @ self.w0)
+        h = np.tanh(h @ self.w1)
+        h = np.tanh(h @ self.w2)
+        return h @ self.out
+
+    def forward_alone(self, theta):  # (2,)
+        h = np.tanh(theta @ self.w0)
+        h = np.tanh(h @ self.w1)
+        h = np.tanh(h @ self.w2)
+        return h @ self.out

@@ -32,6 +32,9 @@ BENCHMARKS = {
     "p10": "bench_p10_chains",
     "p11": "bench_p11_loglik_zarr",
     "p12": "bench_p12_soak",
+    "p14": "bench_p14_batching",
+    "p15": "bench_p15_sample_batched",
+    "p16": "bench_p16_chains_sharded",
 }
 
 

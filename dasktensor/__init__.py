@@ -44,6 +44,7 @@ from dasktensor.remote import RemoteModelError as RemoteModelError
 from dasktensor.remote import cluster_summary as cluster_summary
 from dasktensor.sampling import StoreMismatchError as StoreMismatchError
 from dasktensor.sampling import sample as sample
+from dasktensor_worker.batching import batched as batched
 
 try:
     __version__ = _version("dasktensor")
@@ -71,6 +72,7 @@ __all__ = [
     "Task",
     "annotate",
     "arrays_to_arrays_op",
+    "batched",
     "calls_link",
     "compute_log_likelihood",
     "cluster_summary",

@@ -15,18 +15,24 @@ Modules:
   TLS sockets, the worker's call server), used by both sides (caller and worker);
 * :mod:`dasktensor_worker.replica`: one model object on one worker and how many calls it
   runs at once;
+* :mod:`dasktensor_worker.batching`: ``batched`` (``dt.batched``), concurrent calls of a
+  method coalesced into one vectorised evaluation;
 * :mod:`dasktensor_worker.plugin`: :class:`~dasktensor_worker.plugin.ModelHost`, the
   ``distributed.WorkerPlugin`` that holds a worker's replicas and runs their call server;
 * :mod:`dasktensor_worker.tasks`: the functions the caller ships to the cluster (the build
   task, and the ``client.run`` / ``run_on_scheduler`` helpers).
 
 Importing this package itself imports nothing heavy (not even ``distributed``);
-``dasktensor_worker.ModelHost`` is loaded on first use.
+``dasktensor_worker.ModelHost`` is loaded on first use.  A model's module may mark its
+methods with ``from dasktensor_worker import batched`` (NumPy only) where workers do not
+have PyTensor.
 """
 
 from __future__ import annotations
 
-__all__ = ["ModelHost"]
+from dasktensor_worker.batching import batched as batched
+
+__all__ = ["ModelHost", "batched"]
 
 
 def __getattr__(name: str):

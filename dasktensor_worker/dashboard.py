@@ -4,8 +4,10 @@ Channel calls skip the scheduler, so the task stream does not show them.  This s
 plugin adds two routes to the dashboard's web server (the one serving ``/status``):
 
 * ``/dasktensor/calls``: a page that looks like the task stream: one row per worker, a
-  bar per call (its model's colour, as long as it took, red if it raised), and a table per
-  model: calls, errors, calls in flight, mean time, and which workers answered;
+  bar per call or batch of a batched method (its model's colour, as long as it took, red
+  if it raised; its title gives the batch size), and a table per model: calls, errors,
+  calls in flight, mean time per call or batch, mean batch size, and which workers
+  answered;
 * ``/dasktensor/calls.json``: what the page reads every second, gathered from every
   worker's call log (:mod:`dasktensor_worker.calllog`) with one broadcast.
 
@@ -97,7 +99,8 @@ _HTML = """<!DOCTYPE html>
 <p id="status">waiting for the workers...</p>
 <svg id="stream" width="1000" height="40"></svg>
 <table id="models"><thead><tr><th>model</th><th>calls</th><th>errors</th>
-<th>in flight</th><th>mean time</th><th>workers</th></tr></thead><tbody></tbody></table>
+<th>in flight</th><th>mean time</th><th>mean batch</th><th>workers</th></tr></thead>
+<tbody></tbody></table>
 <script>
 const SPAN = 30, PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b",
   "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"];
@@ -121,8 +124,8 @@ function draw(workers) {
     const w = workers[a]; now = Math.max(now, w.now);
     records[a] = (records[a] || []).concat(w.records);
     for (const [name, t] of Object.entries(w.totals)) {
-      const s = totals[name] || (totals[name] = [0, 0, 0]);
-      s[0] += t[0]; s[1] += t[1]; s[2] += t[2];
+      const s = totals[name] || (totals[name] = [0, 0, 0, 0]);
+      s[0] += t[0]; s[1] += t[1]; s[2] += t[2]; s[3] += t[3];
       (held[name] || (held[name] = new Set())).add(a);
     }
     for (const [name, n] of Object.entries(w.inflight)) inflight[name] = (inflight[name] || 0) + n;
@@ -142,7 +145,8 @@ function draw(workers) {
       const fill = r[4] === "OK" ? colour(r[0]) : "#d62728";
       parts.push(`<rect class="call" x="${x}" y="${i * rowH + 3}" width="${w}" height="16" ` +
         `fill="${fill}"><title>${esc(r[0])}.${esc(r[1])}: ` +
-        `${((r[3] - r[2]) * 1e3).toFixed(1)} ms</title></rect>`);
+        `${((r[3] - r[2]) * 1e3).toFixed(1)} ms` +
+        `${r[5] > 1 ? ", a batch of " + r[5] + " calls" : ""}</title></rect>`);
     }
   });
   svg.innerHTML = parts.join("");
@@ -152,7 +156,8 @@ function draw(workers) {
       `style="background:${colour(name)}"></span>${esc(name)}</td>` +
       `<td class="calls">${t[0]}</td><td class="errors">${t[1]}</td>` +
       `<td class="inflight">${inflight[name] || 0}</td>` +
-      `<td>${t[0] ? (1e3 * t[2] / t[0]).toFixed(2) + " ms" : "-"}</td>` +
+      `<td>${t[3] ? (1e3 * t[2] / t[3]).toFixed(2) + " ms" : "-"}</td>` +
+      `<td class="batch">${t[3] ? (t[0] / t[3]).toFixed(1) : "-"}</td>` +
       `<td>${held[name].size}</td></tr>`;
   });
   document.querySelector("#models tbody").innerHTML = rows.join("");

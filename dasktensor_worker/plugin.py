@@ -28,7 +28,9 @@ scheduler reports lost workers.
   keeps wanted) is dropped once the scheduler has forgotten that task: every
   ``dasktensor.remote.lease-check`` (1 s; the worker's Dask config) the host asks the
   scheduler for its leases' states (``get_task_status``), only while it holds replicas
-  with leases.  A lease the scheduler cannot be asked about keeps its replicas.
+  with leases.  A lease the scheduler cannot be asked about keeps its replicas.  A model
+  shared by several processes (one key, each with its lease) has a lease per process,
+  and lives until the last is gone (forgotten, or given back with :meth:`unlease`).
 * **One build per model and worker.**  Build tasks of one model may run at once in
   several threads of a worker; a lock makes ``factory()`` run once.
 * **The model's own errors** are caught and sent back (the pickled exception and
@@ -81,7 +83,7 @@ class ModelHost(WorkerPlugin):
     def __init__(self):
         self.replicas: dict[str, Replica] = {}
         self.builds: dict[str, int] = {}  # how many times each model was built here
-        self.leases: dict[str, str] = {}  # model key -> the key of the lease keeping it
+        self.leases: dict[str, set[str]] = {}  # model key -> the leases keeping it
         self._lease_check: PeriodicCallback | None = None
         self.lock = threading.Lock()
         self.closed = False
@@ -142,8 +144,8 @@ class ModelHost(WorkerPlugin):
         built it."""
         with self.lock:  # one build per key, however many tasks ask at once
             if key in self.replicas:
-                if lease is not None:  # the creator's build, after another process's
-                    self.leases[key] = lease
+                if lease is not None:  # a creator's build, after another process's
+                    self.leases.setdefault(key, set()).add(lease)
                 return False
             model = factory()
             if self.closed:
@@ -152,10 +154,10 @@ class ModelHost(WorkerPlugin):
                     f"{name!r} was being built; expected it to stay installed, call again "
                     "to build the model on a worker that has it"
                 )
-            self.replicas[key] = Replica(model, concurrency, name)
+            self.replicas[key] = Replica(model, concurrency, name, self._batch_recorder(name))
             self.builds[key] = self.builds.get(key, 0) + 1
             if lease is not None:
-                self.leases[key] = lease
+                self.leases.setdefault(key, set()).add(lease)
             return True
 
     def release(self, key: str) -> bool:
@@ -168,19 +170,39 @@ class ModelHost(WorkerPlugin):
         replica.released.set()
         return True
 
+    def add_lease(self, key: str, lease: str) -> bool:
+        """``lease`` keeps model ``key`` too (another process sharing it); whether this
+        worker holds the model."""
+        with self.lock:
+            if key not in self.replicas:
+                return False
+            self.leases.setdefault(key, set()).add(lease)
+            return True
+
+    def unlease(self, key: str, lease: str) -> bool:
+        """A holder of model ``key`` gives its ``lease`` back: the replica is dropped if
+        no lease is left; whether it was."""
+        leases = self.leases.get(key)
+        if not leases or lease not in leases:
+            return False
+        leases.discard(lease)
+        return not leases and self.release(key)
+
     async def check_leases(self, worker) -> None:
-        """Drop the replicas whose lease the scheduler has forgotten (their creator let
-        go of the model, or went away)."""
-        held = {k: lease for k, lease in list(self.leases.items()) if k in self.replicas}
+        """Drop the replicas whose leases the scheduler has all forgotten (their creators
+        let go of the model, or went away)."""
+        held = {k: set(ls) for k, ls in list(self.leases.items()) if k in self.replicas and ls}
         if not held:
             return
+        every = sorted(set().union(*held.values()))
         try:
-            states = await worker.scheduler.get_task_status(keys=sorted(set(held.values())))
+            states = await worker.scheduler.get_task_status(keys=every)
         except Exception:  # the scheduler cannot say now: keep everything, ask again
             return
-        for key, lease in held.items():
-            if lease in states and states[lease] is None and self.leases.get(key) == lease:
-                self.release(key)
+        for key, leases in held.items():
+            for lease in leases:
+                if lease in states and states[lease] is None:
+                    self.unlease(key, lease)
 
     def answer(self, key: str, method: str | None, args: Sequence) -> tuple:
         """Run one call (on the server's thread): ``("OK", result)``, ``("missing", None)``
@@ -194,9 +216,16 @@ class ModelHost(WorkerPlugin):
             status = "OK"
         except Exception as e:  # the model's own error: sent to the caller, not raised here
             return error_reply(e)
-        finally:
-            self.calls.finished(replica.name, method, start, status)
+        finally:  # a batched call is recorded with its batch
+            alone = replica.batchers.get(method) is None
+            self.calls.finished(replica.name, method, start, status, record=alone)
         return ("OK", result)
+
+    def _batch_recorder(self, name: str):
+        def record(method, start, stop, size, status):
+            self.calls.batch(name, method, start, stop, size, status)
+
+        return record
 
 
 def _listen_host(address: str) -> str:

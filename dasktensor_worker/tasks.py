@@ -9,9 +9,11 @@ neither dasktensor nor PyTensor, so that building and finding a model costs a ba
   dashboard); it adds the :class:`~dasktensor_worker.plugin.ModelHost` plugin to its
   worker if needed.  :func:`lease`: the body of the task that keeps its replicas.
   :func:`hold_resources`: the body of the task that keeps a replica's resources taken.
-* :func:`endpoint`, :func:`holds`, :func:`build_count`, :func:`release`, :func:`summary`:
-  run on the workers with ``client.run`` (discovery and the call servers' addresses,
-  ``RemoteModel.build_counts``, ``RemoteModel.close``, ``dt.cluster_summary``).
+* :func:`endpoint`, :func:`holds`, :func:`build_count`, :func:`release`,
+  :func:`add_lease`, :func:`unlease`, :func:`summary`: run on the workers with
+  ``client.run`` (discovery and the call servers' addresses,
+  ``RemoteModel.build_counts``, ``RemoteModel.close``, a shared model's holder letting
+  go, ``dt.cluster_summary``).
 * :func:`next_number`: run on the scheduler with ``client.run_on_scheduler``; the numbers
   that spread calls over replicas (see ``dasktensor.remote._policy``).
 
@@ -98,11 +100,26 @@ def release(key: str, dask_worker=None) -> bool:
     return host is not None and host.release(key)
 
 
+def add_lease(key: str, lease: str, dask_worker=None) -> bool:
+    """``client.run``: ``lease`` keeps model ``key`` too (another process sharing a model
+    it found built); whether this worker holds the model."""
+    host = _host(dask_worker)
+    return host is not None and host.add_lease(key, lease)
+
+
+def unlease(key: str, lease: str, dask_worker=None) -> bool:
+    """``client.run``: give back ``lease`` on model ``key`` (a model shared by several
+    processes); the replica is dropped when no lease is left.  Whether it was."""
+    host = _host(dask_worker)
+    return host is not None and host.unlease(key, lease)
+
+
 def summary(dask_worker=None) -> dict:
     """``client.run``: the models this worker holds and the calls it answered so far.
 
     ``{"models": {key: name}, "builds": {key: count}, "calls": {name: [calls, errors,
-    seconds]}}``; calls are counted by model name, as the calls page counts them.
+    seconds, records]}}`` (records: calls alone and batches of a batched method); calls
+    are counted by model name, as the calls page counts them.
     """
     host = _host(dask_worker)
     if host is None:

@@ -1,6 +1,25 @@
-"""Clusters the tests share: a worker offering {"GPU": 1} beside one offering nothing."""
+"""Clusters the tests share: local process clusters on loopback, a worker offering
+{"GPU": 1} beside one offering nothing, a worker without a nanny to freeze."""
 
 from __future__ import annotations
+
+import contextlib
+
+
+def local_cluster(**kwargs):
+    """A LocalCluster on 127.0.0.1: 2 worker processes (with nannies) of 1 thread each, and
+    no dashboard (the scheduler's HTTP server on a free loopback port, not 8787) unless
+    ``dashboard_address`` asks for one; ``kwargs`` override these and go to LocalCluster."""
+    from distributed import LocalCluster
+
+    kwargs.setdefault("n_workers", 2)
+    kwargs.setdefault("threads_per_worker", 1)
+    kwargs.setdefault("processes", True)
+    if kwargs.setdefault("dashboard_address", None) is None:
+        kwargs.setdefault(
+            "scheduler_kwargs", {"dashboard": False, "dashboard_address": "127.0.0.1:0"}
+        )
+    return LocalCluster(host="127.0.0.1", **kwargs)
 
 
 def mixed_spec_cluster():
@@ -65,3 +84,50 @@ def eventually(check, seconds: float = 15.0):
     while not (value := check()) and time.monotonic() < deadline:
         time.sleep(0.1)
     return value
+
+
+@contextlib.contextmanager
+def cluster_with_a_bare_worker(settings: dict | None = None):
+    """A Client (not the default) of a one-worker :func:`local_cluster` joined by a
+    :func:`bare_worker` to freeze: yields ``(client, the bare worker's process)``.
+
+    ``distributed.scheduler.worker-ttl`` is 300 s, so that the scheduler does not drop a
+    frozen worker while a test runs; ``settings`` are set too while the cluster runs.
+    The bare worker is woken (SIGCONT) and killed on exit."""
+    import os
+    import signal
+
+    import dask
+    from distributed import Client
+
+    settings = {"distributed.scheduler.worker-ttl": "300s", **(settings or {})}
+    with (
+        dask.config.set(settings),
+        local_cluster(n_workers=1) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        bare = bare_worker(cluster.scheduler_address)
+        try:
+            client.wait_for_workers(2, timeout=60)
+            yield client, bare
+        finally:
+            os.kill(bare.pid, signal.SIGCONT)
+            bare.kill()
+            bare.wait()
+
+
+@contextlib.contextmanager
+def heavy_function_on_its_own_cluster(delay: float):
+    """``(client, f)``: a Client (not the default) of a new :func:`local_cluster`, two
+    worker processes with nannies (a test may kill one), and ``f(x) = sum(2 x) + sum(3 x)``
+    compiled for it: two heavy calls (``_ops.Scale``) of ``delay`` seconds each."""
+    import pytensor.tensor as pt
+    from _ops import Scale
+    from distributed import Client
+
+    import dasktensor as dt
+
+    x = pt.vector("x")
+    out = Scale(2.0, delay=delay)(x).sum() + Scale(3.0, delay=delay)(x).sum()
+    with local_cluster() as cluster, Client(cluster, set_as_default=False) as client:
+        yield client, dt.function([x], out, scheduler=client)

@@ -36,24 +36,6 @@ def test_demo_reports_an_unreachable_scheduler():
             main(["demo", "--scheduler", "tcp://127.0.0.1:9"])
 
 
-def test_help_describes_the_demo(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["demo", "--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    for option in (
-        "--scheduler",
-        "--host",
-        "--port",
-        "--dashboard-address",
-        "--workers",
-        "--delay",
-        "--draws",
-        "--chains",
-    ):
-        assert option in out
-
-
 # ------------------------------------------------------------------------- dasktensor info
 
 FAKE_DASKTENSOR = "9.9.9"  # what the second worker's package metadata says
@@ -71,7 +53,8 @@ def info_cluster(tmp_path_factory):
     import subprocess
     import sys
 
-    from distributed import Client, LocalCluster
+    from _clusters import local_cluster
+    from distributed import Client
 
     site = tmp_path_factory.mktemp("other-dasktensor")
     meta = site / f"dasktensor-{FAKE_DASKTENSOR}.dist-info"
@@ -79,14 +62,7 @@ def info_cluster(tmp_path_factory):
     (meta / "METADATA").write_text(
         f"Metadata-Version: 2.1\nName: dasktensor\nVersion: {FAKE_DASKTENSOR}\n"
     )
-    cluster = LocalCluster(
-        n_workers=1,
-        threads_per_worker=1,
-        processes=True,
-        host="127.0.0.1",
-        dashboard_address="127.0.0.1:0",
-        memory_limit="1GiB",
-    )
+    cluster = local_cluster(n_workers=1, dashboard_address="127.0.0.1:0", memory_limit="1GiB")
     worker = subprocess.Popen(
         [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address]
         + ["--no-nanny", "--host", "127.0.0.1", "--no-dashboard", "--name", "gpu-worker"]
@@ -269,23 +245,6 @@ def test_info_on_an_embedded_cluster_stops_it(capsys):
     assert child_processes() == children  # its worker processes are gone
 
 
-def test_help_describes_info(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["info", "--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    for words in (
-        "--scheduler",
-        "--embedded",
-        "--timeout",
-        "--tls-ca-file",
-        "DASK_SCHEDULER_ADDRESS",
-        "dasktensor.scheduler-address",
-        "versions",
-    ):
-        assert words in out
-
-
 # ------------------------------------------------------------------------ dasktensor bench
 
 
@@ -386,10 +345,23 @@ def test_bench_runs_run_all_in_a_subprocess_with_this_interpreter(tmp_path):
     assert "run_all.py exited with code 3" in done.stderr
 
 
-def test_help_describes_bench(capsys):
+# ------------------------------------------------------------------------------ each --help
+
+#: what each command's --help must mention
+HELP = {
+    "demo": ["--scheduler", "--host", "--port", "--dashboard-address", "--workers", "--delay",
+             "--draws", "--chains"],
+    "info": ["--scheduler", "--embedded", "--timeout", "--tls-ca-file", "DASK_SCHEDULER_ADDRESS",
+             "dasktensor.scheduler-address", "versions"],
+    "bench": ["--list", "NAME", "run_all.py", "subprocess", "wheel"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", HELP)
+def test_help_describes_the_command(capsys, command):
     with pytest.raises(SystemExit) as info:
-        main(["bench", "--help"])
+        main([command, "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for words in ("--list", "NAME", "run_all.py", "subprocess", "wheel"):
+    for words in HELP[command]:
         assert words in out

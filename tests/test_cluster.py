@@ -6,7 +6,7 @@ import dask
 import numpy as np
 import pytensor.tensor as pt
 import pytest
-from _clusters import channel_calls
+from _clusters import channel_calls, local_cluster
 from _ops import Scale
 
 import dasktensor as dt
@@ -135,20 +135,10 @@ def test_options_for_an_embedded_cluster_are_refused_with_an_address():
 @pytest.fixture(scope="module")
 def tls_cluster():
     """A LocalCluster speaking tls:// on 127.0.0.1, one worker process, throw-away certificates."""
-    from distributed import LocalCluster
     from distributed.security import Security
 
     security = Security.temporary()  # needs `cryptography`
-    cluster = LocalCluster(
-        n_workers=1,
-        threads_per_worker=1,
-        processes=True,
-        protocol="tls://",
-        host="127.0.0.1",
-        security=security,
-        dashboard_address=None,
-        scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
-    )
+    cluster = local_cluster(n_workers=1, protocol="tls://", security=security)
     yield cluster, security
     cluster.close()
 

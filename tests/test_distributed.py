@@ -12,7 +12,7 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from _clusters import gpu_worker_address
+from _clusters import gpu_worker_address, heavy_function_on_its_own_cluster
 from _ops import Scale
 from dask.utils import key_split
 from distributed import Client, get_task_stream
@@ -116,17 +116,7 @@ def test_to_dask_graph_carries_annotations_and_computes_on_the_cluster(mixed_clu
 
 
 def test_a_killed_worker_is_recomputed_elsewhere():
-    from distributed import LocalCluster
-
-    x = pt.vector("x")
-    out = Scale(2.0, delay=1.0)(x).sum() + Scale(3.0, delay=1.0)(x).sum()
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=None
-        ) as cluster,
-        Client(cluster, set_as_default=False) as client,
-    ):
-        f = dt.function([x], out, scheduler=client)
+    with heavy_function_on_its_own_cluster(delay=1.0) as (client, f):
         assert float(f(np.ones(2))) == 10.0
 
         import os

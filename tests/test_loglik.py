@@ -70,7 +70,7 @@ def test_bigger_than_memory_log_likelihood_streams_to_zarr(tmp_path):
     """Workers with 650 MiB each (PyMC imported: ~400) write a 2.9 GB log-likelihood; spot
     checks against scipy's normal log-density; every worker's memory stays under its limit."""
     import xarray as xr
-    from conftest import _cluster
+    from _clusters import local_cluster
     from distributed import Client
     from scipy.stats import norm
 
@@ -93,7 +93,7 @@ def test_bigger_than_memory_log_likelihood_streams_to_zarr(tmp_path):
     )
     idata = _trace_of(posterior)
     with (
-        _cluster(n_workers=2, memory_limit="650MiB") as cluster,
+        local_cluster(n_workers=2, memory_limit="650MiB") as cluster,
         Client(cluster, set_as_default=False) as client,
     ):
         ll = dt.compute_log_likelihood(idata, model=model, chunks=20, extend_inferencedata=False)

@@ -102,7 +102,7 @@ def test_set_data_and_predictions_group():
 
 @pytest.mark.slow
 def test_draws_do_not_depend_on_the_scheduler_or_number_of_workers(client):
-    from conftest import _cluster
+    from _clusters import local_cluster
     from distributed import Client
 
     model, idata = trace("linear-regression")
@@ -121,7 +121,7 @@ def test_draws_do_not_depend_on_the_scheduler_or_number_of_workers(client):
 
     threads = run()
     np.testing.assert_array_equal(run(client=client), threads)  # 2 worker processes
-    with _cluster(n_workers=1) as one, Client(one, set_as_default=False) as c1:
+    with local_cluster(n_workers=1) as one, Client(one, set_as_default=False) as c1:
         np.testing.assert_array_equal(run(client=c1), threads)
     assert not np.array_equal(
         np.asarray(
@@ -137,7 +137,7 @@ def test_bigger_than_memory_output_streams_to_zarr(tmp_path):
     """Workers with 650 MiB each (PyMC imported: ~400) write a 2.9 GB result; spot checks
     against a recompute."""
     import xarray as xr
-    from conftest import _cluster
+    from _clusters import local_cluster
     from distributed import Client
 
     n_obs = 180_000
@@ -155,7 +155,7 @@ def test_bigger_than_memory_output_streams_to_zarr(tmp_path):
     )
     idata = _trace_of(posterior)
     with (
-        _cluster(n_workers=2, memory_limit="650MiB") as cluster,
+        local_cluster(n_workers=2, memory_limit="650MiB") as cluster,
         Client(cluster, set_as_default=False) as client,
     ):
         result = dt.sample_posterior_predictive(idata, model=model, random_seed=3, chunks=20)

@@ -20,62 +20,52 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from _clusters import bare_worker
+from _clusters import cluster_with_a_bare_worker, local_cluster
 from _models import Probe, broken_factory, record_then_sleep
-from conftest import _cluster
 from pytensor.gradient import verify_grad
 
 import dasktensor as dt
 
 
 @pytest.fixture(scope="module")
-def four_workers():
-    cluster = _cluster(n_workers=4)
-    yield cluster
-    cluster.close()
-
-
-@pytest.fixture
-def four(four_workers):
-    """A Client of a 4-worker process cluster, set as the default client."""
-    from distributed import Client
-
-    with Client(four_workers) as c:
-        yield c
+def process_cluster():
+    """This module's own cluster of 4 worker processes, for conftest's ``default_client``."""
+    with local_cluster(n_workers=4) as cluster:
+        yield cluster
 
 
 def builds(log) -> list[int]:
     return [int(line) for line in log.read_text().split()]
 
 
-def test_factory_runs_once_per_worker(four, tmp_path):
+def test_factory_runs_once_per_worker(default_client, tmp_path):
     log = tmp_path / "builds"
     model = dt.RemoteModel(functools.partial(Probe, str(log)), name="probe")
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda _: model.call("where"), range(32)))
     copy = pickle.loads(pickle.dumps(model))  # a copy reaches the same replicas
     assert copy.call("where")[0] in builds(log)
-    worker_pids = set(four.run(os.getpid).values())
+    worker_pids = set(default_client.run(os.getpid).values())
     assert sorted(builds(log)) == sorted(worker_pids)  # every worker once, no more
     assert set(model.build_counts().values()) == {1}
-    assert sorted(model.workers()) == sorted(four.run(os.getpid))
+    assert sorted(model.workers()) == sorted(default_client.run(os.getpid))
     model.close()
     assert model.workers() == []
 
 
-def test_eight_concurrent_calls_spread_over_four_workers(four):
+def test_eight_concurrent_calls_spread_over_four_workers(default_client):
     model = dt.RemoteModel(Probe, name="probe")
     model.start()
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda _: model.call("where", 0.3), range(8)))
     pids = [pid for pid, _ in results]
-    assert set(pids) == set(four.run(os.getpid).values())
+    assert set(pids) == set(default_client.run(os.getpid).values())
     assert all(pids.count(p) == 2 for p in set(pids))  # fewest calls in flight first
     model.close()
 
 
 @pytest.mark.parametrize("path", ["tasks", "channel"])
-def test_eight_concurrent_tasks_spread_over_four_workers(four, path):
+def test_eight_concurrent_tasks_spread_over_four_workers(default_client, path):
     """The DASK mode's tasks (callable Ops, not remote models) spread over the workers: as
     Dask places them (task path), or as the channel spreads calls (resident stages)."""
     from _clusters import channel_calls
@@ -85,14 +75,14 @@ def test_eight_concurrent_tasks_spread_over_four_workers(four, path):
 
     x = pt.dvector("x")
     out = sum(Scale(float(k + 1), delay=0.3)(x).sum() for k in range(8))
-    f = dt.function([x], out, scheduler=four)
+    f = dt.function([x], out, scheduler=default_client)
     with dask.config.set({"dasktensor.execute.path": path}):
         if path == "channel":
             f(np.ones(2))  # builds the stages: then the calls spread over their replicas
-        before = channel_calls(four, by_worker=True)
-        with get_task_stream(client=four) as ts:
+        before = channel_calls(default_client, by_worker=True)
+        with get_task_stream(client=default_client) as ts:
             assert float(f(np.ones(2))) == 2 * sum(range(1, 9))
-        after = channel_calls(four, by_worker=True)
+        after = channel_calls(default_client, by_worker=True)
     if path == "tasks":
         workers = {r["worker"] for r in ts.data if key_split(r["key"]) == "scale-heavy"}
     else:
@@ -101,10 +91,10 @@ def test_eight_concurrent_tasks_spread_over_four_workers(four, path):
             for w, calls in after.items()
             if calls.get("scale-heavy", 0) > before.get(w, {}).get("scale-heavy", 0)
         }
-    assert workers == set(four.scheduler_info()["workers"])
+    assert workers == set(default_client.scheduler_info()["workers"])
 
 
-def test_replicas_limits_the_workers_that_hold_the_model(four, tmp_path):
+def test_replicas_limits_the_workers_that_hold_the_model(default_client, tmp_path):
     log = tmp_path / "builds"
     model = dt.RemoteModel(functools.partial(Probe, str(log)), name="two", replicas=2)
     assert len(model.start()) == 2
@@ -114,7 +104,7 @@ def test_replicas_limits_the_workers_that_hold_the_model(four, tmp_path):
     model.close()
 
 
-def test_gradient_of_a_remote_logp_grad_op(four):
+def test_gradient_of_a_remote_logp_grad_op(default_client):
     model = dt.RemoteModel(Probe, name="normal")
     op = model.logp_grad_op("logp_grad", [pt.dvector, pt.dscalar])
     rng = np.random.default_rng(1)
@@ -123,7 +113,7 @@ def test_gradient_of_a_remote_logp_grad_op(four):
 
 
 @pytest.mark.parametrize("mode", ["DASK", None])
-def test_independent_remote_calls_run_concurrently(four, mode):
+def test_independent_remote_calls_run_concurrently(default_client, mode):
     model = dt.RemoteModel(Probe, name="probe")
     where = model.arrays_to_arrays_op("where", [pt.dscalar], [pt.lscalar, pt.dvector])
     s = pt.dscalar("s")
@@ -140,7 +130,7 @@ def test_independent_remote_calls_run_concurrently(four, mode):
     model.close()
 
 
-def test_dask_mode_mixes_remote_calls_with_cluster_tasks(four):
+def test_dask_mode_mixes_remote_calls_with_cluster_tasks(default_client):
     from _ops import Scale
 
     model = dt.RemoteModel(Probe, name="probe")
@@ -154,7 +144,7 @@ def test_dask_mode_mixes_remote_calls_with_cluster_tasks(four):
     model.close()
 
 
-def test_a_remote_output_returned_in_a_list_is_told_what_to_return(four):
+def test_a_remote_output_returned_in_a_list_is_told_what_to_return(default_client):
     model = dt.RemoteModel(Probe, name="probe")
     op = model.arrays_to_arrays_op("scale_in_a_list", [pt.dvector, pt.dscalar], [pt.dvector])
     f = pytensor.function([x := pt.dvector("x")], op(x, 2.0))
@@ -163,7 +153,7 @@ def test_a_remote_output_returned_in_a_list_is_told_what_to_return(four):
     model.close()
 
 
-def test_strided_and_non_contiguous_inputs(four):
+def test_strided_and_non_contiguous_inputs(default_client):
     model = dt.RemoteModel(Probe, name="probe")
     op = model.arrays_to_arrays_op("sum_and_corner", [pt.dmatrix], [pt.dvector])
     m = pt.dmatrix("m")
@@ -178,7 +168,9 @@ def test_strided_and_non_contiguous_inputs(four):
 
 
 @pytest.mark.parametrize("calls", [1, 3], ids=["one-call", "merged-calls"])
-def test_remote_exception_has_its_type_and_traceback_and_the_next_call_works(four, calls):
+def test_remote_exception_has_its_type_and_traceback_and_the_next_call_works(
+    default_client, calls
+):
     model = dt.RemoteModel(Probe, name="probe")
     refuse = model.logp_op("refuse", [pt.dvector])
     x = pt.dvector("x")
@@ -187,21 +179,21 @@ def test_remote_exception_has_its_type_and_traceback_and_the_next_call_works(fou
         f(np.array([1.0, 2.0]))
     text = "".join(traceback.format_tb(info.value.__traceback__))
     assert "_models.py" in text and "in refuse" in text  # the remote frame
-    assert model.call("where")[0] in four.run(os.getpid).values()
+    assert model.call("where")[0] in default_client.run(os.getpid).values()
     model.close()
 
 
 def test_a_failing_factory_reaches_the_caller():
     from distributed import Client
 
-    with _cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+    with local_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
         model = dt.RemoteModel(broken_factory, name="broken", scheduler=client)
         with pytest.raises(RuntimeError, match="weights file not found") as info:
             model.call("anything")
         assert "broken_factory" in "".join(traceback.format_tb(info.value.__traceback__))
 
 
-def test_a_transient_failure_succeeds_with_retries(four, tmp_path):
+def test_a_transient_failure_succeeds_with_retries(default_client, tmp_path):
     marker = str(tmp_path / "failed-once")
     model = dt.RemoteModel(Probe, name="probe", retries=1)
     assert model.call("fails_first_time", np.ones(2), marker) == 2.0
@@ -213,15 +205,15 @@ def test_a_transient_failure_succeeds_with_retries(four, tmp_path):
     once.close()
 
 
-def test_a_call_that_does_not_return_in_time_fails_and_the_next_one_works(four):
+def test_a_call_that_does_not_return_in_time_fails_and_the_next_one_works(default_client):
     model = dt.RemoteModel(Probe, name="probe", timeout=0.5)
     with pytest.raises(TimeoutError, match=r"did not return within 0.5 s"):
         model.call("where", 3.0)
-    assert model.call("where", 0.0)[0] in four.run(os.getpid).values()
+    assert model.call("where", 0.0)[0] in default_client.run(os.getpid).values()
     model.close()
 
 
-def test_a_late_reply_is_never_read_as_the_answer_to_another_call(four):
+def test_a_late_reply_is_never_read_as_the_answer_to_another_call(default_client):
     """A timed-out call's connection is not reused: its reply is read and dropped in a
     thread, and its worker counts as busy until then."""
     from dasktensor.remote._replicas import calls_in_flight
@@ -248,7 +240,7 @@ def idle(address: str) -> None:
     assert calls_in_flight().get(address, 0) == 0, calls_in_flight()
 
 
-def test_an_interrupted_call_is_not_counted_as_running_nor_its_connection_reused(four):
+def test_an_interrupted_call_is_not_counted_as_running_nor_its_connection_reused(default_client):
     """Ctrl-C in the middle of a call (here: a signal handler raising KeyboardInterrupt)."""
     from dasktensor.remote._replicas import calls_in_flight
 
@@ -271,7 +263,7 @@ def test_an_interrupted_call_is_not_counted_as_running_nor_its_connection_reused
     model.close()
 
 
-def test_no_worker_with_the_resource_fails_clearly(four):
+def test_no_worker_with_the_resource_fails_clearly(default_client):
     model = dt.RemoteModel(Probe, name="gpu-model", resources={"GPU": 1})
     with dask.config.set({"dasktensor.placement.resource-timeout": "0.5s"}):
         with pytest.raises(dt.NoWorkerWithResourcesError, match=r"\{'GPU': 1\}"):
@@ -297,7 +289,7 @@ def test_bad_options_fail_naming_what_was_expected():
         dt.RemoteModel(Probe).logp_op("not a name", [pt.dvector])
 
 
-def test_calls_from_threads_after_asyncio_run_and_inside_a_running_loop(four):
+def test_calls_from_threads_after_asyncio_run_and_inside_a_running_loop(default_client):
     model = dt.RemoteModel(Probe, name="probe")
     op = model.logp_grad_op("logp_grad", [pt.dvector, pt.dscalar])
     x, mu = pt.dvector("x"), pt.dscalar("mu")
@@ -321,7 +313,7 @@ def test_a_killed_worker_mid_call_is_replaced_and_the_call_returns(tmp_path, cal
     from distributed import Client
 
     pidfile = tmp_path / "pids"
-    with _cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
+    with local_cluster(n_workers=2) as cluster, Client(cluster, set_as_default=False) as client:
         model = dt.RemoteModel(
             functools.partial(record_then_sleep, str(pidfile), 1.0),
             name="sleeper",
@@ -345,8 +337,8 @@ def test_a_killed_worker_mid_call_is_replaced_and_the_call_returns(tmp_path, cal
         assert len(set(pidfile.read_text().split())) == 2  # it ran again elsewhere
 
 
-def test_ops_and_functions_pickle_into_another_process(four, tmp_path):
-    model = dt.RemoteModel(Probe, name="probe", scheduler=four)
+def test_ops_and_functions_pickle_into_another_process(default_client, tmp_path):
+    model = dt.RemoteModel(Probe, name="probe", scheduler=default_client)
     op = model.logp_grad_op("logp_grad", [pt.dvector, pt.dscalar])
     x, mu = pt.dvector("x"), pt.dscalar("mu")
     f = pytensor.function([x, mu], op(x, mu)[0])
@@ -369,13 +361,13 @@ def test_ops_and_functions_pickle_into_another_process(four, tmp_path):
     model.close()
 
 
-def test_a_slow_call_is_probed_not_moved(four):
+def test_a_slow_call_is_probed_not_moved(default_client):
     """A call that takes several probe intervals stays where it runs: the probes are
     answered by the call server while the model works."""
     model = dt.RemoteModel(Probe, name="probe", replicas=1)
     (home,) = model.start()
     pid, _ = model.call("where", 2.0)  # probed every 0.5 s (probe-after) while it sleeps
-    assert pid == four.run(os.getpid)[home]
+    assert pid == default_client.run(os.getpid)[home]
     assert model.build_counts() == {home: 1}
     model.close()
 
@@ -388,39 +380,23 @@ def test_a_frozen_worker_loses_its_call_to_another_replica():
     go only after ``worker-ttl`` (here 300 s, past the test's timeout).  The waiting
     call probes the worker's call server after ``probe-after``, gets no answer within
     ``probe-timeout`` and runs on another replica; the next calls avoid the worker."""
-    from distributed import Client
-
-    settings = {"distributed.scheduler.worker-ttl": "300s"}
-    with (
-        dask.config.set(settings),
-        _cluster(n_workers=1) as cluster,
-        Client(cluster, set_as_default=False) as client,
-    ):
-        frozen = bare_worker(cluster.scheduler_address)
-        try:
-            client.wait_for_workers(2, timeout=60)
-            pids = client.run(os.getpid)
-            (lone,) = [a for a, pid in pids.items() if pid == frozen.pid]
-            (other,) = set(pids) - {lone}
-            model = dt.RemoteModel(
-                Probe, name="probe", replicas=1, workers=[lone], scheduler=client
-            )
-            assert model.start() == [lone]
-            assert model.call("where", 0.0)[0] == frozen.pid
-            os.kill(frozen.pid, signal.SIGSTOP)
-            t0 = time.monotonic()
-            pid, _ = model.call("where", 0.0)
-            waited = time.monotonic() - t0
-            assert pid == pids[other]  # answered by a replica built on the other worker
-            assert waited < 30, waited  # a probe's 1.5 s, not Dask's 30 s nor worker-ttl
-            t0 = time.monotonic()
-            assert {model.call("where", 0.0)[0] for _ in range(3)} == {pids[other]}
-            assert time.monotonic() - t0 < 10  # no call waits on the frozen worker again
-            # nor do the questions asked of every worker (client.run to it never returns)
-            assert model.workers() == [other]
-            assert set(model.build_counts()) == {other}
-            assert [w.address for w in dt.cluster_summary(client).workers if w.models] == [other]
-            os.kill(frozen.pid, signal.SIGCONT)
-        finally:
-            frozen.kill()
-            frozen.wait()
+    with cluster_with_a_bare_worker() as (client, frozen):
+        pids = client.run(os.getpid)
+        (lone,) = [a for a, pid in pids.items() if pid == frozen.pid]
+        (other,) = set(pids) - {lone}
+        model = dt.RemoteModel(Probe, name="probe", replicas=1, workers=[lone], scheduler=client)
+        assert model.start() == [lone]
+        assert model.call("where", 0.0)[0] == frozen.pid
+        os.kill(frozen.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        pid, _ = model.call("where", 0.0)
+        waited = time.monotonic() - t0
+        assert pid == pids[other]  # answered by a replica built on the other worker
+        assert waited < 30, waited  # a probe's 1.5 s, not Dask's 30 s nor worker-ttl
+        t0 = time.monotonic()
+        assert {model.call("where", 0.0)[0] for _ in range(3)} == {pids[other]}
+        assert time.monotonic() - t0 < 10  # no call waits on the frozen worker again
+        # nor do the questions asked of every worker (client.run to it never returns)
+        assert model.workers() == [other]
+        assert set(model.build_counts()) == {other}
+        assert [w.address for w in dt.cluster_summary(client).workers if w.models] == [other]

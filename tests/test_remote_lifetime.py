@@ -18,27 +18,19 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from _clusters import eventually
+from _clusters import eventually, local_cluster
 from _models import Probe
-from conftest import _cluster
 
 import dasktensor as dt
 from dasktensor_worker import tasks
 
 
 @pytest.fixture(scope="module")
-def two_workers():
-    cluster = _cluster(n_workers=2)
-    yield cluster
-    cluster.close()
-
-
-@pytest.fixture
-def two(two_workers):
-    from distributed import Client
-
-    with Client(two_workers) as c:
-        yield c
+def process_cluster():
+    """This module's own 2 worker processes (it counts the replicas left on them), for
+    conftest's ``default_client``."""
+    with local_cluster() as cluster:
+        yield cluster
 
 
 def replicas_of(client, name: str) -> dict[str, int]:
@@ -58,17 +50,18 @@ def logp_function(model):
     return pytensor.function([x, mu], op(x, mu)[0])
 
 
-def test_a_model_nobody_holds_is_released(two):
+def test_a_model_nobody_holds_is_released(default_client):
     model = dt.RemoteModel(Probe, name="dropped")
     model.call("where")
     key = model.key
-    assert replicas_of(two, "dropped") == {key: 2}
+    assert replicas_of(default_client, "dropped") == {key: 2}
     del model
     gc.collect()
-    assert eventually(lambda: not replicas_of(two, "dropped")), replicas_of(two, "dropped")
+    gone = eventually(lambda: not replicas_of(default_client, "dropped"))
+    assert gone, replicas_of(default_client, "dropped")
 
 
-def test_re_running_a_cell_leaves_one_set_of_replicas(two):
+def test_re_running_a_cell_leaves_one_set_of_replicas(default_client):
     x, mu = pt.dvector("x"), pt.dscalar("mu")
     for _ in range(6):  # the cell, run again: its names now hold the new model
         model = dt.RemoteModel(Probe, name="cell")
@@ -76,10 +69,11 @@ def test_re_running_a_cell_leaves_one_set_of_replicas(two):
         f = pytensor.function([x, mu], op(x, mu)[0])
         assert float(f(np.ones(3), 0.0)) == -1.5
     gc.collect()
-    assert eventually(lambda: replicas_of(two, "cell") == {model.key: 2}), replicas_of(two, "cell")
+    one_set = eventually(lambda: replicas_of(default_client, "cell") == {model.key: 2})
+    assert one_set, replicas_of(default_client, "cell")
 
 
-def test_replicas_live_while_their_model_does(two, tmp_path):
+def test_replicas_live_while_their_model_does(default_client, tmp_path):
     """The lease checks keep a live model's replicas: a compiled function works however
     long it waits, without building the model again."""
     log = tmp_path / "builds"
@@ -87,13 +81,13 @@ def test_replicas_live_while_their_model_does(two, tmp_path):
     f = logp_function(model)
     assert float(f(np.ones(3), 0.0)) == -1.5
     time.sleep(3)  # three lease checks on every worker
-    assert replicas_of(two, "kept") == {model.key: 2}
+    assert replicas_of(default_client, "kept") == {model.key: 2}
     assert float(f(np.ones(3), 1.0)) == 0.0
     assert len(log.read_text().split()) == 2  # built once on each worker, not again
     model.close()
 
 
-def test_an_op_outliving_its_model_builds_it_again(two, tmp_path):
+def test_an_op_outliving_its_model_builds_it_again(default_client, tmp_path):
     """PyTensor keeps every Op it compiled (its rewriters cache them), so an Op cannot
     tell whether it is still in use: the model's own object decides.  An Op called after
     that was dropped builds the model again and keeps it for the rest of the process."""
@@ -104,16 +98,17 @@ def test_an_op_outliving_its_model_builds_it_again(two, tmp_path):
     key = model.key
     del model
     gc.collect()
-    assert eventually(lambda: not replicas_of(two, "outlived"))
+    assert eventually(lambda: not replicas_of(default_client, "outlived"))
     assert float(f(np.ones(3), 1.0)) == 0.0
-    assert replicas_of(two, "outlived") == {key: 2}
+    assert replicas_of(default_client, "outlived") == {key: 2}
     assert len(log.read_text().split()) == 4  # built on each worker, twice
     time.sleep(2)
-    assert replicas_of(two, "outlived") == {key: 2}  # held now by the process's lease
+    # held now by the process's lease
+    assert replicas_of(default_client, "outlived") == {key: 2}
 
 
 @pytest.mark.slow
-def test_a_killed_caller_leaves_no_replicas(two_workers):
+def test_a_killed_caller_leaves_no_replicas(process_cluster):
     """The scheduler forgets a killed client's keys, the lease among them: the workers
     drop the replicas its models had (within their lease check, 1 s)."""
     from distributed import Client
@@ -125,7 +120,7 @@ def test_a_killed_caller_leaves_no_replicas(two_workers):
         from _models import Probe
         import dasktensor as dt
 
-        client = Client({two_workers.scheduler_address!r})
+        client = Client({process_cluster.scheduler_address!r})
         model = dt.RemoteModel(Probe, name="orphan")
         model.call("where")
         print(model.key, flush=True)
@@ -138,7 +133,7 @@ def test_a_killed_caller_leaves_no_replicas(two_workers):
     )
     try:
         key = caller.stdout.readline().strip()
-        with Client(two_workers, set_as_default=False) as client:
+        with Client(process_cluster, set_as_default=False) as client:
             assert replicas_of(client, "orphan") == {key: 2}
             caller.send_signal(signal.SIGKILL)
             caller.wait()

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pymc as pm
 import pytest
-from _clusters import bare_worker
+from _clusters import cluster_with_a_bare_worker, local_cluster
 from _sample_models import PICKLED, RUN, assert_same_draws, groups_of, hierarchical
-from conftest import _cluster
 
 import dasktensor as dt
 
@@ -29,18 +28,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """Two worker processes (with nannies: a killed worker comes back)."""
-    with _cluster(n_workers=2) as cluster:
+def process_cluster():
+    """This module's own two worker processes (with nannies: a killed worker comes back),
+    for conftest's ``client``."""
+    with local_cluster() as cluster:
         yield cluster
-
-
-@pytest.fixture
-def client(cluster):
-    from distributed import Client
-
-    with Client(cluster, set_as_default=False) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +68,7 @@ def test_draws_equal_pm_sample_whatever_the_segment_size(client, reference, ever
 def test_one_worker_gives_the_draws_of_two_and_warmup_groups(reference):
     from distributed import Client
 
-    with _cluster(n_workers=1) as one, Client(one, set_as_default=False) as client:
+    with local_cluster(n_workers=1) as one, Client(one, set_as_default=False) as client:
         with hierarchical():
             idata = dt.sample(**RUN, client=client, discard_tuned_samples=False,
                               compute_convergence_checks=False)  # fmt: skip
@@ -135,11 +127,14 @@ with Client({address!r}) as client, hierarchical():
 """
 
 
-def test_a_killed_caller_resumes_from_its_store(cluster, client, reference, tmp_path, caplog):
+def test_a_killed_caller_resumes_from_its_store(
+    process_cluster, client, reference, tmp_path, caplog
+):
     """The calling process is SIGKILLed once segments are stored; dt.sample(resume=True)
     continues and gives the draws of an uninterrupted run."""
     store = tmp_path / "run.zarr"
-    script = CALLER.format(tests=str(Path(__file__).parent), address=cluster.scheduler_address,
+    address = process_cluster.scheduler_address
+    script = CALLER.format(tests=str(Path(__file__).parent), address=address,
                            store=str(store))  # fmt: skip
     caller = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
     try:
@@ -193,7 +188,7 @@ def test_a_worker_that_joins_takes_segments(reference):
 
     with (
         dask.config.set({"dasktensor.sample.silent-worker": "60s"}),
-        _cluster(n_workers=1) as cluster,
+        local_cluster(n_workers=1) as cluster,
         Client(cluster, set_as_default=False) as client,
     ):
         (first,) = client.run(os.getpid)
@@ -308,7 +303,7 @@ def test_chains_whose_likelihood_is_sharded_over_the_workers(monkeypatch):
     runs = dict(RUN, chains=2, draws=15, tune=15)
     with (
         dask.config.set({"dasktensor.shard.min-rows": 1000}),
-        _cluster(n_workers=2) as cluster,
+        local_cluster() as cluster,
         Client(cluster, set_as_default=False) as client,
         regression(),
     ):
@@ -348,44 +343,27 @@ def test_a_result_held_by_a_worker_that_froze_is_made_again(reference, caplog):
     """A segment finished on a worker that froze (SIGSTOP) before its result was
     fetched: fetching it would wait on a connection nobody answers; after
     ``silent-worker`` the segment runs again on the other worker, with the same draws."""
-    import dask
-    from distributed import Client
+    settings = {"dasktensor.sample.silent-worker": "2s"}
+    with cluster_with_a_bare_worker(settings) as (client, frozen):
+        (there,) = [a for a, p in client.run(os.getpid).items() if p == frozen.pid]
 
-    settings = {
-        "distributed.scheduler.worker-ttl": "300s",
-        "dasktensor.sample.silent-worker": "2s",
-    }
-    with (
-        dask.config.set(settings),
-        _cluster(n_workers=1) as cluster,
-        Client(cluster, set_as_default=False) as client,
-    ):
-        frozen = bare_worker(cluster.scheduler_address)
-        try:
-            client.wait_for_workers(2, timeout=60)
-            (there,) = [a for a, p in client.run(os.getpid).items() if p == frozen.pid]
+        def freeze_while_the_caller_is_busy(draw, **_):
+            """While the caller records a draw (it fetches no result meanwhile), as
+            soon as the worker holds the result of another chain's segment (one not
+            fetched yet: this chain's is the one being recorded): freeze it."""
+            others = tuple(f"chain_{c}-" for c in range(RUN["chains"]) if c != draw.chain)
+            deadline = time.monotonic() + 3
+            while not stopped and draw.draw_idx >= 20 and time.monotonic() < deadline:
+                if any(str(k).startswith(others) for k in client.has_what([there])[there]):
+                    os.kill(frozen.pid, signal.SIGSTOP)
+                    stopped.append(True)
+                time.sleep(0.02)
 
-            def freeze_while_the_caller_is_busy(draw, **_):
-                """While the caller records a draw (it fetches no result meanwhile), as
-                soon as the worker holds the result of another chain's segment (one not
-                fetched yet: this chain's is the one being recorded): freeze it."""
-                others = tuple(f"chain_{c}-" for c in range(RUN["chains"]) if c != draw.chain)
-                deadline = time.monotonic() + 3
-                while not stopped and draw.draw_idx >= 20 and time.monotonic() < deadline:
-                    if any(str(k).startswith(others) for k in client.has_what([there])[there]):
-                        os.kill(frozen.pid, signal.SIGSTOP)
-                        stopped.append(True)
-                    time.sleep(0.02)
-
-            stopped: list[bool] = []
-            with caplog.at_level(logging.INFO, logger="dasktensor.sample"), hierarchical():
-                idata = dt.sample(**RUN, client=client, checkpoint_every=5,
-                                  callback=freeze_while_the_caller_is_busy,
-                                  compute_convergence_checks=False)  # fmt: skip
-            assert stopped
-        finally:
-            os.kill(frozen.pid, signal.SIGCONT)
-            frozen.kill()
-            frozen.wait()
+        stopped: list[bool] = []
+        with caplog.at_level(logging.INFO, logger="dasktensor.sample"), hierarchical():
+            idata = dt.sample(**RUN, client=client, checkpoint_every=5,
+                              callback=freeze_while_the_caller_is_busy,
+                              compute_convergence_checks=False)  # fmt: skip
+        assert stopped
     assert "result is on a worker that does not answer" in summary(caplog), summary(caplog)
     assert_same_draws(idata, reference)

@@ -17,6 +17,15 @@ import pymc as pm
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from _shard_models import (
+    ar1_data_model,
+    data_model,
+    design,
+    gp_model,
+    hierarchical,
+    linear_regression,
+    logistic_regression,
+)
 from pytensor.graph.basic import Constant
 from pytensor.graph.fg import FunctionGraph
 from pytensor.tensor import blas
@@ -89,19 +98,8 @@ def reason_of(model, **kwargs):
     return result.reason
 
 
-def design(n=N, k=3):
-    X = RNG.normal(size=(n, k))
-    return X, X @ np.arange(1.0, k + 1) + 0.5 + RNG.normal(size=n)
-
-
 def test_linear_regression_shards():
-    X, y = design()
-    with pm.Model() as model:
-        beta = pm.Normal("beta", 0, 1, shape=3)
-        alpha = pm.Normal("alpha")
-        sigma = pm.HalfNormal("sigma")
-        pm.Normal("y", X @ beta + alpha, sigma, observed=y)
-    plan = check_model(model)
+    plan = check_model(linear_regression(N, RNG))
     assert plan.n_rows == N and not plan.assumptions
     # y, X and the X.T the rewrites fold into a constant of its own (row axis 1)
     assert sorted(d.axis for d in plan.data) == [0, 0, 1]
@@ -113,11 +111,7 @@ def test_linear_regression_shards():
 
 
 def test_logistic_regression_shards_with_the_parameter_check_as_an_assumption():
-    X, y = design()
-    with pm.Model() as model:
-        beta = pm.Normal("beta", 0, 1, shape=3)
-        pm.Bernoulli("y", logit_p=X @ beta, observed=(y > 0).astype("int64"))
-    plan = check_model(model)
+    plan = check_model(logistic_regression(N, RNG))
     # Bernoulli checks 0 <= p <= 1 over all rows, and uses that flag row by row
     assert len(plan.assumptions) == 1
     assert sorted(p.kind for p in plan.partials) == ["add", "add", "and", "and"]
@@ -125,15 +119,7 @@ def test_logistic_regression_shards_with_the_parameter_check_as_an_assumption():
 
 def test_hierarchical_model_with_group_index_shards():
     n_groups = 7
-    group = RNG.integers(0, n_groups, size=N)
-    x = RNG.normal(size=N)
-    y = np.arange(n_groups)[group] + 0.5 * x + RNG.normal(size=N)
-    with pm.Model() as model:
-        a = pm.Normal("a", 0, 1, shape=n_groups)
-        b = pm.Normal("b")
-        sigma = pm.HalfNormal("sigma")
-        pm.Normal("y", a[group] + b * x, sigma, observed=y)
-    plan = check_model(model)
+    plan = check_model(hierarchical(N, RNG, groups=n_groups))
     # the gradient of a[group] is a scatter-add by group into a's prior gradient (-a):
     # shards add into zeros, and the combine graph adds -a once
     [scatter] = [p for p in plan.partials if p.offset]
@@ -141,18 +127,12 @@ def test_hierarchical_model_with_group_index_shards():
 
 
 def test_data_model_follows_set_data():
-    X, y = design()
-    with pm.Model() as model:
-        Xd = pm.Data("X", X)
-        yd = pm.Data("y_obs", y)
-        beta = pm.Normal("beta", 0, 1, shape=3)
-        sigma = pm.HalfNormal("sigma")
-        pm.Normal("y", Xd @ beta, sigma, observed=yd)
+    model = data_model(N, RNG)
     fgraph, ref_fn, point = logp_dlogp(model)
     plan = find_shards(fgraph)
     assert isinstance(plan, ShardPlan), plan
     assert sorted(d.name for d in plan.data) == ["X", "y_obs"]
-    X2, y2 = design()
+    X2, y2 = design(N, rng=RNG)
     pm.set_data({"X": X2, "y_obs": y2}, model=model)
     values = {v: point if i == 0 else v.get_value() for i, v in enumerate(fgraph.inputs)}
     by_name = dict(zip([d.name for d in plan.data], plan.data_values()))
@@ -178,41 +158,22 @@ def test_ar1_with_numpy_data_shards_because_the_shifts_are_constants():
 
 
 def test_ar1_shifting_rows_in_the_graph_is_not_sharded():
-    with pm.Model() as model:
-        yd = pm.Data("y_series", np.cumsum(RNG.normal(size=N)) * 0.1)
-        rho = pm.Normal("rho")
-        sigma = pm.HalfNormal("sigma")
-        pm.Normal("y_t", rho * yd[:-1], sigma, observed=yd[1:])
-    reason = reason_of(model)
+    reason = reason_of(ar1_data_model(N, RNG))
     assert "Subtensor" in reason and "'y_series'" in reason and "shifts rows" in reason
 
 
-def gp_model(x, y, data: bool):
-    n = len(x)
-    with pm.Model() as model:
-        ls = pm.HalfNormal("ls")
-        eta = pm.HalfNormal("eta")
-        xs = pm.Data("x", x) if data else x
-        d = xs[:, None] - xs[None, :]
-        cov = eta**2 * pt.exp(-0.5 * d**2 / ls**2) + 1e-6 * np.eye(n)
-        pm.MvNormal("y", mu=np.zeros(n), cov=cov, observed=y)
-    return model
-
-
 def test_gaussian_process_over_rows_is_not_sharded():
-    x = np.linspace(0, 1, 40)
-    y = np.sin(6 * x) + 0.1 * RNG.normal(size=40)
     # distances of constant inputs are folded into an (N, N) constant; y reaches the
     # triangular solve of the MvNormal density
-    reason = reason_of(gp_model(x, y, data=False), min_rows=10)
+    reason = reason_of(gp_model(40, RNG), min_rows=10)
     assert "Solve" in reason and "MvNormal" in reason
     # with x as data, already the outer difference x[:, None] - x[None, :] mixes rows
-    reason = reason_of(gp_model(x, y, data=True), min_rows=10)
+    reason = reason_of(gp_model(40, RNG, data=True), min_rows=10)
     assert "mixes rows" in reason and "'x'" in reason
 
 
 def test_shardable_likelihood_plus_a_cumsum_potential_is_not_sharded():
-    X, y = design()
+    X, y = design(N, rng=RNG)
     with pm.Model() as model:
         beta = pm.Normal("beta", 0, 1, shape=3)
         sigma = pm.HalfNormal("sigma")
@@ -223,7 +184,7 @@ def test_shardable_likelihood_plus_a_cumsum_potential_is_not_sharded():
 
 
 def test_small_model_is_not_sharded():
-    X, y = design(n=500)
+    X, y = design(500, rng=RNG)
     with pm.Model() as model:
         beta = pm.Normal("beta", 0, 1, shape=3)
         pm.Normal("y", X @ beta, 1.0, observed=y)
@@ -234,7 +195,7 @@ def test_small_model_is_not_sharded():
 
 def test_the_work_estimate_grows_with_rows_and_columns():
     def work(n, k):
-        X, y = design(n=n, k=k)
+        X, y = design(n, k, RNG)
         with pm.Model() as model:
             beta = pm.Normal("beta", 0, 1, shape=k)
             sigma = pm.HalfNormal("sigma")

@@ -19,7 +19,16 @@ import numpy as np
 import pymc as pm
 import pytensor.tensor as pt
 import pytest
-from _clusters import eventually
+from _clusters import eventually, local_cluster
+from _shard_models import (
+    ar1_data_model,
+    data_model,
+    design,
+    gp_model,
+    hierarchical,
+    linear_regression,
+    logistic_regression,
+)
 from distributed import Client, LocalCluster
 
 import dasktensor as dt
@@ -36,79 +45,6 @@ MIN_ROWS = {
     "dasktensor.shard.block-rows": BLOCK_ROWS,
 }
 RTOL = 1e-10
-RNG = np.random.default_rng(7)
-
-
-# ----------------------------------------------------------------------------- models
-
-
-def design(n=N, k=3, seed=0):
-    rng = np.random.default_rng(seed)
-    X = rng.normal(size=(n, k))
-    return X, X @ np.arange(1.0, k + 1) + 0.5 + rng.normal(size=n)
-
-
-def linear_regression():
-    X, y = design()
-    with pm.Model() as model:
-        beta = pm.Normal("beta", 0, 1, shape=3)
-        alpha = pm.Normal("alpha")
-        sigma = pm.HalfNormal("sigma")
-        pm.Normal("y", X @ beta + alpha, sigma, observed=y)
-    return model
-
-
-def logistic_regression():
-    X, y = design()
-    with pm.Model() as model:
-        beta = pm.Normal("beta", 0, 1, shape=3)
-        pm.Bernoulli("y", logit_p=X @ beta, observed=(y > 0).astype("int64"))
-    return model
-
-
-def hierarchical():
-    n_groups = 6
-    group = RNG.integers(0, n_groups, size=N)
-    x = RNG.normal(size=N)
-    y = np.arange(n_groups)[group] + 0.5 * x + RNG.normal(size=N)
-    with pm.Model() as model:
-        a = pm.Normal("a", 0, 1, shape=n_groups)
-        b = pm.Normal("b")
-        sigma = pm.HalfNormal("sigma")
-        pm.Normal("y", a[group] + b * x, sigma, observed=y)
-    return model
-
-
-def data_model(n=N):
-    X, y = design(n)
-    with pm.Model() as model:
-        Xd = pm.Data("X", X)
-        yd = pm.Data("y_obs", y)
-        beta = pm.Normal("beta", 0, 1, shape=3)
-        sigma = pm.HalfNormal("sigma")
-        pm.Normal("y", Xd @ beta, sigma, observed=yd, shape=Xd.shape[0])
-    return model
-
-
-def gp_model(n=60):
-    x = np.linspace(0, 1, n)
-    y = np.sin(6 * x) + 0.1 * RNG.normal(size=n)
-    with pm.Model() as model:
-        ls = pm.HalfNormal("ls")
-        eta = pm.HalfNormal("eta")
-        d = x[:, None] - x[None, :]
-        cov = eta**2 * pt.exp(-0.5 * d**2 / ls**2) + 1e-6 * np.eye(n)
-        pm.MvNormal("y", mu=np.zeros(n), cov=cov, observed=y)
-    return model
-
-
-def ar1_data_model():
-    with pm.Model() as model:
-        yd = pm.Data("y_series", np.cumsum(RNG.normal(size=N)) * 0.1)
-        rho = pm.Normal("rho")
-        sigma = pm.HalfNormal("sigma")
-        pm.Normal("y_t", rho * yd[:-1], sigma, observed=yd[1:])
-    return model
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -166,7 +102,7 @@ def shards_on(client, f) -> dict[str, dict]:
     "make", [linear_regression, logistic_regression, hierarchical], ids=lambda m: m.__name__
 )
 def test_models_shard_one_per_worker_and_equal_the_default_mode(client, make):
-    f, ref = compiled(make(), client)
+    f, ref = compiled(make(N), client)
     text = str(f.maker.linker.plan)
     assert "sharded: into 2 shards (shards=2)" in text and f"the {N} rows" in text
     assert_same(f, ref, points_for(f))
@@ -184,7 +120,7 @@ def _blocks_here(keys, dask_worker=None):
 
 @pytest.mark.parametrize("block_rows", [0, BLOCK_ROWS, 1], ids=["whole", "blocks", "rows"])
 def test_shards_run_their_rows_in_blocks(client, block_rows):
-    f, ref = compiled(hierarchical(), client, block_rows=block_rows)
+    f, ref = compiled(hierarchical(N), client, block_rows=block_rows)
     assert_same(f, ref, points_for(f))
     keys = [m.key for s in f.maker.linker.sharded.stages() for m in s.models]
     blocks = sorted(n for b in client.run(_blocks_here, keys).values() for n in b.values())
@@ -193,7 +129,7 @@ def test_shards_run_their_rows_in_blocks(client, block_rows):
 
 
 def test_a_failed_parameter_check_costs_a_second_round(client):
-    _, y = design()
+    _, y = design(N)
     xs = np.random.default_rng(3).uniform(0.5, 1.0, N)
     with pm.Model() as model:
         p = pm.Flat("p")  # not transformed: p * xs > 1 fails Bernoulli's check (row by row)
@@ -209,7 +145,7 @@ def test_a_failed_parameter_check_costs_a_second_round(client):
 
 
 def test_shard_data_is_sent_once_not_per_call(client):
-    f, _ = compiled(linear_regression(), client)
+    f, _ = compiled(linear_regression(N), client)
     q = points_for(f, 1)[0]
     f(q)
     before = {k: v for h in shards_on(client, f).values() for k, v in h.items()}
@@ -244,7 +180,7 @@ def test_a_shared_parameter_that_changes_is_sent_not_a_rebuild(client):
 def test_copies_and_pickles_of_a_sharded_function_shard_again(client):
     import pickle
 
-    f, ref = compiled(linear_regression(), client)
+    f, ref = compiled(linear_regression(N), client)
     points = points_for(f, 2)
     with dask.config.set(MIN_ROWS):  # the setting is read when a copy is linked
         copies = (f.copy(), pickle.loads(pickle.dumps(f)))
@@ -255,7 +191,7 @@ def test_copies_and_pickles_of_a_sharded_function_shard_again(client):
 
 
 def test_data_model_follows_set_data(client):
-    model = data_model()
+    model = data_model(N)
     f, ref = compiled(model, client)
     ex = f.maker.linker.sharded
     text = str(f.maker.linker.plan)
@@ -264,18 +200,19 @@ def test_data_model_follows_set_data(client):
     assert_same(f, ref, points)
     first = [m.key for s in ex.stages() for m in s.models]
     # new values, same length: the shards are cut and sent again, the old ones released
-    X2, y2 = design(seed=1)
+    X2, y2 = design(N, rng=1)
     pm.set_data({"X": X2, "y_obs": y2}, model=model)
     assert_same(f, ref, points)
     assert ex.stats["builds"] == 2
     held = shards_on(client, f)
     assert sorted(len(h) for h in held.values()) == [1, 1]
+
     def released():  # in a thread of the caller's (the release may not run on Dask's loop)
         return not {k for h in client.run(_shards_here, first).values() for k in h}
 
     assert eventually(released), "the stages of the old data were not released"
     # a new length: the shards are found again (N - 500 rows), and used
-    X3, y3 = design(N - 500, seed=2)
+    X3, y3 = design(N - 500, rng=2)
     pm.set_data({"X": X3, "y_obs": y3}, model=model)
     assert_same(f, ref, points)
     assert ex.stats["builds"] == 3 and f"the {N - 500} rows" in str(f.maker.linker.plan)
@@ -289,7 +226,7 @@ def test_data_model_follows_set_data(client):
 
 @pytest.mark.parametrize(
     "make, why",
-    [(gp_model, "MvNormal"), (ar1_data_model, "shifts rows")],
+    [(lambda: gp_model(60), "MvNormal"), (lambda: ar1_data_model(N), "shifts rows")],
     ids=["gp", "ar1-data"],
 )
 def test_models_that_are_not_sums_over_rows_say_why(client, make, why):
@@ -304,10 +241,10 @@ def test_models_that_are_not_sums_over_rows_say_why(client, make, why):
 
 
 def test_turned_off_and_without_a_client(client):
-    f, ref = compiled(linear_regression(), client, shards=False)
+    f, ref = compiled(linear_regression(N), client, shards=False)
     assert "not sharded: turned off (shards=False)" in str(f.maker.linker.plan)
     # a sharded function with the local scheduler: unsharded, in this process
-    g, _ = compiled(linear_regression(), "threads")
+    g, _ = compiled(linear_regression(N), "threads")
     assert "sharded: into 2 shards" in str(g.maker.linker.plan)
     assert_same(g, ref, points_for(g, 2))
     assert g.maker.linker.sharded.stats == {"calls": 0, "rounds": 0, "bytes_sent": 0, "builds": 0}
@@ -316,7 +253,7 @@ def test_turned_off_and_without_a_client(client):
 
 
 def test_the_cost_estimate_decides_whether_and_into_how_many_shards(client):
-    model = linear_regression()
+    model = linear_regression(N)
     plan = compiled(model, client, shards=2)[0].maker.linker.sharded.split.plan
     # a few thousand rows are far less than two shards' worth of the default min-work
     f, ref = compiled(model, client, shards=None, min_work=dt_default("shard.min-work"))
@@ -356,7 +293,7 @@ def test_one_worker_is_not_sharded():
         LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster,
         Client(cluster, set_as_default=False) as client,
     ):
-        f, ref = compiled(linear_regression(), client, shards=None)
+        f, ref = compiled(linear_regression(N), client, shards=None)
         assert "one shard per worker" in str(f.maker.linker.plan)
         assert_same(f, ref, points_for(f, 2))
         assert "now: unsharded" in str(f.maker.linker.plan)
@@ -399,12 +336,10 @@ def test_factories_carrying_data_build_without_dasks_large_graph_warning(client)
 @pytest.mark.slow
 def test_a_killed_worker_holding_a_shard_costs_a_rebuild_not_a_wrong_answer():
     with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=None
-        ) as cluster,
+        local_cluster() as cluster,
         Client(cluster, set_as_default=False) as client,
     ):
-        f, ref = compiled(hierarchical(), client)
+        f, ref = compiled(hierarchical(N), client)
         points = points_for(f, 3)
         assert_same(f, ref, points[:1])
         victim = next(iter(client.run(os.getpid).values()))
@@ -447,11 +382,11 @@ def _shard_calls(dask_worker=None) -> int:
 @pytest.mark.filterwarnings(FORK_WARNING)
 @pytest.mark.parametrize("cores", [1, 2])
 def test_pm_sample_in_the_dask_mode_draws_as_the_default_mode(process_cluster, cores):
-    expected = draws(linear_regression(), chains=cores, cores=cores)
+    expected = draws(linear_regression(N), chains=cores, cores=cores)
     with Client(process_cluster) as c, dask.config.set(MIN_ROWS):  # the default client
         before = c.run(_shard_calls)
         mode = {"mode": "DASK"}
-        got = draws(linear_regression(), chains=cores, cores=cores, compile_kwargs=mode)
+        got = draws(linear_regression(N), chains=cores, cores=cores, compile_kwargs=mode)
         after = c.run(_shard_calls)
     # every worker computed its shard of (nearly) every evaluation of the sampler(s)
     assert all(after[w] - before[w] > 40 * cores for w in after), (before, after)

@@ -258,6 +258,7 @@ def fork_state_problems(mods: dict[str, Path]) -> list[str]:
         if name == "dasktensor._runtime" or unit_of(name) == WORKER:
             continue  # the runtime itself; the worker side keeps its own (one lock, one hook)
         tree = ast.parse(path.read_text())
+        at_import = _run_at_import(tree)
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
@@ -266,19 +267,25 @@ def fork_state_problems(mods: dict[str, Path]) -> list[str]:
                 called = node.func.id
             if called == "register_at_fork":
                 problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: a fork hook")
-            elif called in made_per_process and _at_module_level(tree, node):
+            elif called in made_per_process and id(node) in at_import:
                 problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: a module-level {called}")
     return problems
 
 
-def _at_module_level(tree: ast.Module, call: ast.Call) -> bool:
-    """Whether ``call`` runs when its module is imported (not inside a def or class)."""
-    for statement in tree.body:
-        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            continue
-        if any(n is call for n in ast.walk(statement)):
-            return True
-    return False
+def _run_at_import(tree: ast.Module) -> set[int]:
+    """The ids of the nodes that run when the module is imported: outside functions
+    (class bodies included: a class attribute is shared by the process)."""
+    found: set[int] = set()
+
+    def visit(node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        found.add(id(node))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
 
 
 def test_per_process_state_lives_in_the_runtime():
@@ -297,6 +304,8 @@ def test_the_fork_state_check_finds_a_module_lock(tmp_path):
         "import os, threading\n_lock = threading.Lock()\n"
         "def f():\n    return threading.Lock()\n"
         "os.register_at_fork(after_in_child=f)\n"
+        "class C:\n    lock = threading.RLock()\n"
+        "    def m(self):\n        self.lock = threading.Lock()\n"
     )
     global ROOT
     saved, ROOT = ROOT, tmp_path
@@ -304,7 +313,11 @@ def test_the_fork_state_check_finds_a_module_lock(tmp_path):
         problems = fork_state_problems({"dasktensor.bad": bad})
     finally:
         ROOT = saved
-    assert problems == ["bad.py:2: a module-level Lock", "bad.py:5: a fork hook"]
+    assert problems == [
+        "bad.py:2: a module-level Lock",
+        "bad.py:5: a fork hook",
+        "bad.py:7: a module-level RLock",
+    ]
 
 
 def test_the_top_level_holds_few_modules_and_the_families_have_folders():

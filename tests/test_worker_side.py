@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import _cluster
+from _clusters import local_cluster
 
 import dasktensor as dt
 import dasktensor_worker
@@ -207,7 +207,7 @@ def bare():
     from distributed import Client
 
     with (
-        _cluster(n_workers=1, threads_per_worker=2) as cluster,
+        local_cluster(n_workers=1, threads_per_worker=2) as cluster,
         Client(cluster, set_as_default=False) as client,
     ):
         client.wait_for_workers(1, timeout=60)

@@ -23,7 +23,8 @@ def lost_scheduler(client, error: BaseException | None = None) -> bool:
 
     >>> class Client:
     ...     status = "running"
-    >>> lost_scheduler(Client(), RuntimeError("x cancelled for reason: scheduler-connection-lost."))
+    >>> lost = RuntimeError("x cancelled for reason: scheduler-connection-lost.")
+    >>> lost_scheduler(Client(), lost)
     True
     >>> lost_scheduler(Client(), ValueError("the model's own error"))
     False

@@ -1,8 +1,9 @@
 """The Dask side of data parallelism: a vectorised graph run chunk by chunk, as Dask arrays.
 
-:func:`map_blocks` cuts the batch of a :class:`~dasktensor.dataparallel._vectorize.Vectorized` graph
-into chunks and returns Dask arrays of its outputs; each chunk is one Dask task calling
-the graph's runner (compiled once per process) on one block of the batch.
+:func:`map_blocks` cuts the batch of a
+:class:`~dasktensor.dataparallel._vectorize.Vectorized` graph into chunks and returns Dask
+arrays of its outputs; each chunk is one Dask task calling the graph's runner (compiled
+once per process) on one block of the batch.
 
 * Unbatched inputs (``in_axes=None``, fixed inputs such as shared data) become one Dask
   key that every chunk reads, so a cluster sends them to a worker once, not once per

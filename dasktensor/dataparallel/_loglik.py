@@ -8,9 +8,10 @@ memory: 2.6 million observations exhausted 64 GB (pymc-devs/pymc#6864).  Here:
    template of the answer (variables, dims, coords, attributes).
 2. The graph PyMC evaluates -- the model with its value transforms removed, the
    observed variables' ``logp(sum=False)`` as a function of the free variables -- is
-   vectorised over (chain, draw) (:mod:`dasktensor.dataparallel._vectorize`) and evaluated in chunks
-   of draws, one Dask task each (:mod:`dasktensor.dataparallel._chunks`), with the data read from the
-   model at each call (``pm.Data``).
+   vectorised over (chain, draw) (:mod:`dasktensor.dataparallel._vectorize`) and
+   evaluated in chunks of draws, one Dask task each
+   (:mod:`dasktensor.dataparallel._chunks`), with the data read from the model at each
+   call (``pm.Data``).
 3. The result is lazy: Dask arrays of ``(chain, draw, *observation shape)``, which
    ``to_zarr`` writes chunk by chunk, bigger than memory.  A chunk holds every
    observation of its draws: one draw of the largest observed variable must fit in a

@@ -3,9 +3,9 @@
 ``pmap(fn)`` builds the graph for one element (from ``fn`` called on variables of one
 element's shape, or given as ``(inputs, outputs)``), vectorises it over the batch axis
 (:mod:`dasktensor.dataparallel._vectorize`) and runs it in chunks, one Dask task each
-(:mod:`dasktensor.dataparallel._chunks`).  A :class:`PMapped` keeps its vectorised graphs per argument
-signature (dtypes, shapes of one element, which inputs are batched), so a later call with
-new values reuses the compiled runners, here and on the workers.
+(:mod:`dasktensor.dataparallel._chunks`).  A :class:`PMapped` keeps its vectorised graphs
+per argument signature (dtypes, shapes of one element, which inputs are batched), so a
+later call with new values reuses the compiled runners, here and on the workers.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ becomes inputs of the vectorised graph too:
   which ``vectorize_graph`` needs to extend them by the batch axes, and checked again at
   each call.
 
-The Dask side (chunks, tasks, seeds, computing) is :mod:`dasktensor.dataparallel._chunks`; the public
-``pmap`` is :mod:`dasktensor.dataparallel._pmap`.
+The Dask side (chunks, tasks, seeds, computing) is
+:mod:`dasktensor.dataparallel._chunks`; the public ``pmap`` is
+:mod:`dasktensor.dataparallel._pmap`.
 """
 
 from __future__ import annotations

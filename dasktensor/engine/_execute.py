@@ -46,7 +46,7 @@ from dasktensor import _config
 from dasktensor._placement import Placement
 from dasktensor.cluster import SchedulerRef, check_resources, submit
 from dasktensor.engine._plan import Plan
-from dasktensor.engine._resident import ResidentStages
+from dasktensor.engine._resident import ResidentStages, resident_stages
 from dasktensor.engine._translate import TaskGraph, _run, picked
 
 _PATHS = ("channel", "tasks")
@@ -107,7 +107,8 @@ class PlanExecutor:
         check_resources(client, [t.placement for t in cluster])
         stages = self._stages.get(id(client))
         if stages is None:
-            stages = self._stages[id(client)] = ResidentStages(cluster, self.graph.runners, client)
+            stages = resident_stages(cluster, self.graph.runners, client)
+            self._stages[id(client)] = stages
         for t in cluster:
             key = keys[t.index]
             _, picks, *deps = dsk[key].args  # (runner, picks, *deps)

@@ -33,14 +33,23 @@ import functools
 import threading
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
+
+from dask.base import tokenize
+
+from dasktensor._runtime import ProcessState, runtime
+from dasktensor_worker.batching import batched
 
 _LARGE = 1 << 18
 
 
 class StageServer:
     """On a worker: one task's runner and the large input values it keeps between calls.
+
+    Large values are kept by ``(position, token)``, a few per position (callers in other
+    processes send the same value under tokens of their own), the oldest dropped first.
 
     Examples
     --------
@@ -53,10 +62,13 @@ class StageServer:
     ['ok', [7.0]]
     """
 
+    #: large values kept per input position (one per caller process that sends it)
+    KEEP = 8
+
     def __init__(self, runner):
         self.runner = runner
-        self.held: dict[int, tuple[str, Any]] = {}
-        self.lock = threading.Lock()
+        self.held: OrderedDict[tuple[int, str], Any] = OrderedDict()
+        self.lock = runtime.lock()
         #: bytes of large values received so far (they are kept, not sent per call)
         self.received = 0
 
@@ -66,20 +78,36 @@ class StageServer:
         ``tokens`` are ``(position, token)`` pairs of the large inputs, ``given`` the
         ``(position, value)`` pairs sent with this call.
         """
+        return self.run_together([n_inputs], [tokens], [given])[0]
+
+    @batched(stack=False)
+    def run_together(self, n_inputs: list, tokens: list, given: list) -> list:
+        """:meth:`run` for several calls that waited for this stage (see
+        ``dasktensor_worker.batching``): one reply per call, each what it gets alone."""
+        return [self._run_one(*call) for call in zip(n_inputs, tokens, given)]
+
+    def _run_one(self, n_inputs: int, tokens: Sequence, given: Sequence) -> list:
         values = dict(given)
         with self.lock:
-            missing = [
-                p for p, token in tokens if p not in values and self.held.get(p, ("",))[0] != token
-            ]
+            missing = [p for p, token in tokens if p not in values and (p, token) not in self.held]
             if missing:
                 return ["need", missing]
             for p, token in tokens:
                 if p in values:
-                    self.held[p] = (token, values[p])
-                    self.received += getattr(values[p], "nbytes", 0)
+                    self._keep(p, token, values[p])
                 else:
-                    values[p] = self.held[p][1]
+                    values[p] = self.held[(p, token)]
+                    self.held.move_to_end((p, token))
         return ["ok", list(self.runner(*(values[p] for p in range(n_inputs))))]
+
+    def _keep(self, position: int, token: str, value) -> None:
+        if (position, token) not in self.held:
+            self.received += getattr(value, "nbytes", 0)
+        self.held[(position, token)] = value
+        self.held.move_to_end((position, token))
+        mine = [k for k in self.held if k[0] == position]
+        for old in mine[: max(0, len(mine) - self.KEEP)]:
+            del self.held[old]
 
 
 class ResidentStages:
@@ -110,12 +138,15 @@ class ResidentStages:
                 workers=t.placement.workers,
                 allow_other_workers=t.placement.allow_other_workers,
                 scheduler=client,
+                # what the stage computes and where: copies of the function, in this
+                # process or another, share its replicas (and its batches)
+                key=tokenize(runners[t.index].identity, t.placement, client.scheduler.address),
             )
             for t in tasks
         }
         # (task index, input position) -> (the value last sent, its token)
         self._tokens: dict[tuple[int, int], tuple[Any, str]] = {}
-        self._lock = threading.Lock()
+        self._lock = runtime.lock()  # the stages outlive a fork (a sampler child's)
         weakref.finalize(self, release_in_background, list(self.models.values()))
 
     def call(self, index: int, inputs: Sequence) -> tuple:
@@ -132,14 +163,41 @@ class ResidentStages:
                     sent = self._tokens[(index, p)] = (value, uuid.uuid4().hex)
                     given.append((p, value))  # a new value: it goes with this call
             tokens.append((p, sent[1]))
-        status, payload = model.call("run", len(inputs), tokens, given)
+        status, payload = model.call("run_together", len(inputs), tokens, given)
         if status == "need":  # a replica that has not seen these values: send them all
-            status, payload = model.call("run", len(inputs), tokens, list(enumerate(inputs)))
+            every = list(enumerate(inputs))
+            status, payload = model.call("run_together", len(inputs), tokens, every)
         return tuple(payload)
 
     def close(self) -> None:
         """Release the stages from the workers."""
         release_in_background(list(self.models.values()))
+
+
+class _SharedResident(ProcessState):
+    """This process's resident stages by cluster and what they compute: copies of a
+    function (thread copies, ``f.copy()``) share one set."""
+
+    def __init__(self):
+        self.stages: weakref.WeakValueDictionary[tuple, ResidentStages] = (
+            weakref.WeakValueDictionary()
+        )
+        self.lock = threading.Lock()
+
+
+def resident_stages(tasks, runners, client) -> ResidentStages:
+    """The resident stages of ``tasks`` on ``client``: this process's, if a copy of the
+    function made them already, else new ones."""
+    key = (
+        client.scheduler.address,
+        tuple((runners[t.index].identity, t.placement) for t in tasks),
+    )
+    state = runtime.state(_SharedResident)
+    with state.lock:
+        found = state.stages.get(key)
+        if found is None:
+            found = state.stages[key] = ResidentStages(tasks, runners, client)
+        return found
 
 
 def release_in_background(models) -> None:

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import os
 import pickle
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -145,6 +146,7 @@ class TaskRunner:
         self.mode = mode
         self._graph = (fresh, cloned)
         self._payload: bytes | None = None
+        self._identity: str | None = None
         self._pool: list = []
         self._pool_lock = runtime.lock()
 
@@ -171,13 +173,35 @@ class TaskRunner:
         """The runner's own copy of its subgraph: ``(inputs, outputs)``."""
         return self._graph
 
-    # pickling: the token and the pickled subgraph, compiled again on the other side
-    def __reduce__(self):
+    @property
+    def token(self) -> str:
+        """What identifies this runner's payload (its pickled subgraph and how it
+        compiles): a worker keeps one compiled runner per token."""
+        self._pickled()
+        return self._token
+
+    @property
+    def identity(self) -> str:
+        """What the runner computes, the same in every process that builds the same
+        graph (:func:`graph_identity`, and how it compiles).  Two functions compiled from
+        one model -- copies, or the same code in another process -- get equal identities
+        where their tokens differ."""
+        if self._identity is None:
+            fresh, cloned = self._graph
+            how = (self.backend, self.destroyed, _describe(self.mode))
+            self._identity = tokenize(graph_identity(fresh, cloned), how)
+        return self._identity
+
+    def _pickled(self) -> None:
         if self._payload is None:
             fresh, cloned = self._graph
             state = (fresh, cloned, self.destroyed, self.backend, self.name, self.mode)
             self._payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
             self._token = tokenize(self._payload)
+
+    # pickling: the token and the pickled subgraph, compiled again on the other side
+    def __reduce__(self):
+        self._pickled()
         return _restore, (self._token, self._payload)
 
     def _compile(self):
@@ -239,6 +263,104 @@ class TaskRunner:
         return f"TaskRunner({self.name!r}, backend={self.backend!r}{mode})"
 
 
+def graph_identity(inputs: Sequence[Variable], outputs: Sequence[Variable]) -> str:
+    """A token of the computation from ``inputs`` to ``outputs``, equal for graphs that
+    compute the same thing as PyTensor compares them -- Ops and types by their
+    ``__props__``, constants by value, inner graphs (``Composite``) by their own
+    structure -- whatever process built them and whatever it cached on them.
+
+    Variable names do not count, nor PyTensor's automatic ones (``auto_<n>``, from a
+    process-wide counter), which a pickle of the graph would hold.  Used to find what
+    copies of a function share on the cluster (resident stages, data shards).
+
+    Examples
+    --------
+    >>> import pytensor.tensor as pt
+    >>> def graph():
+    ...     x = pt.dvector("x")
+    ...     return [x], [pt.exp(x).sum() * 2.0]
+    >>> graph_identity(*graph()) == graph_identity(*graph())
+    True
+    >>> x = pt.dvector("x")
+    >>> graph_identity(*graph()) == graph_identity([x], [pt.exp(x).sum() * 3.0])
+    False
+    """
+    return tokenize(_describe_graph(list(inputs), list(outputs)))
+
+
+def _describe_graph(inputs: list, outputs: list) -> tuple:
+    from pytensor.graph.basic import Constant
+    from pytensor.graph.traversal import io_toposort
+
+    where: dict = {v: ("input", i) for i, v in enumerate(inputs)}
+    nodes = []
+
+    def ref(v):
+        if v not in where:  # a constant (anything else would be an input)
+            if not isinstance(v, Constant):
+                raise ValueError(f"graph_identity: {v} is neither an input nor a constant")
+            where[v] = ("constant", _describe(v.type), _describe(v.data))
+        return where[v]
+
+    for node in io_toposort(inputs, outputs):
+        args = tuple(ref(v) for v in node.inputs)
+        nodes.append((_describe(node.op), args, tuple(_describe(o.type) for o in node.outputs)))
+        for j, out in enumerate(node.outputs):
+            where[out] = ("node", len(nodes) - 1, j)
+    return (
+        tuple(_describe(v.type) for v in inputs),
+        tuple(nodes),
+        tuple(ref(v) for v in outputs),
+    )
+
+
+def _describe(value):
+    """A value's description for :func:`graph_identity` (plain tuples, strings, numbers)."""
+    if value is None or isinstance(value, str | bool | int | float | complex):
+        return value
+    if isinstance(value, tuple | list):
+        return tuple(_describe(v) for v in value)
+    if isinstance(value, dict) or hasattr(value, "items") and hasattr(value, "keys"):
+        return ("mapping", tuple(sorted((repr(k), _describe(v)) for k, v in value.items())))
+    if isinstance(value, np.ndarray | np.generic):
+        return ("array", value.dtype.str, np.shape(value), tokenize(np.asarray(value)))
+    if isinstance(value, type):
+        return ("class", value.__module__, value.__qualname__)
+    cls = ("class", type(value).__module__, type(value).__qualname__)
+    props = getattr(type(value), "__props__", None)
+    if props is not None:  # Ops and types: what PyTensor compares them by
+        return (cls, tuple(_describe(getattr(value, p)) for p in props))
+    if hasattr(value, "inputs") and hasattr(value, "outputs") and hasattr(value, "clients"):
+        return (cls, _describe_graph(list(value.inputs), list(value.outputs)))  # a FunctionGraph
+    inner = getattr(value, "fgraph", None)
+    if inner is not None:  # an inner-graph Op without __props__ (Composite on 2.38)
+        return (cls, _describe(inner))
+    return (cls, tokenize(_canonical(pickle.dumps(value, protocol=5))))
+
+
+_AUTO_NAME = re.compile(rb"[\x00-\xff]auto_\d+")  # with the string's length byte before it
+_FRAME = re.compile(rb"\x95[\x00-\xff]{8}")  # a pickle frame's opcode and length
+
+
+def _canonical(payload: bytes) -> bytes:
+    """``payload`` with the automatic variable names renumbered in order of appearance,
+    and the pickle's frame lengths (which the names' lengths change) left out: not a
+    pickle any more, only what equal objects have in common (an Op that says nothing of
+    what it compares by, see :func:`_describe`).
+
+    >>> one = b"\\x06auto_7 \\x07auto_12 \\x06auto_7"  # names as one process numbered them
+    >>> other = b"\\x06auto_3 \\x06auto_4 \\x06auto_3"  # as another did
+    >>> _canonical(one) == _canonical(other)
+    True
+    """
+    seen: dict[bytes, int] = {}
+
+    def number(match) -> bytes:
+        return b"#%d" % seen.setdefault(match.group(0)[1:], len(seen))
+
+    return _FRAME.sub(b"\x95", _AUTO_NAME.sub(number, payload))
+
+
 def _restore(token: str, payload: bytes) -> TaskRunner:
     state = runtime.state(_Runners)
     with state.lock:
@@ -254,6 +376,7 @@ def _restore(token: str, payload: bytes) -> TaskRunner:
     runner.mode = mode
     runner._graph = (fresh, cloned)
     runner._payload = payload
+    runner._identity = None
     runner._token = token
     runner._pool = []
     runner._pool_lock = runtime.lock()

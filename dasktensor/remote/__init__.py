@@ -13,6 +13,9 @@ The caller's side, by concern (each module's docstring argues its part):
   delegated);
 * :mod:`~dasktensor.remote._replicas`: the replica set, found or built with Dask tasks
   that honour the model's ``resources``, refreshed in the background, dropped on failure;
+* :mod:`~dasktensor.remote._leases`: how long replicas live (the leases of the process
+  that made a model, shared models' leases, the tasks holding a replica's resources);
+* :mod:`~dasktensor.remote._probes`: silent workers found by probing their call servers;
 * :mod:`~dasktensor.remote._policy`: the pure choice of a replica for each call (spreads
   load over replicas without coordination between callers);
 * :mod:`~dasktensor.remote._channel`: this process's connections to the workers' call

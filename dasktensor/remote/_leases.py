@@ -10,6 +10,10 @@
   included, which makes the scheduler forget its keys.  Other processes (sampler
   children, unpickled copies) hold no lease: what they rebuild lives until ``close()`` or
   the owner's finalizer.
+* **Shared models** (``RemoteModel(key=...)``: one key in several processes) have a
+  lease per process on each replica, added when a process finds the replicas built
+  (:func:`share`); letting go gives back this process's lease only
+  (``dasktensor_worker.tasks.unlease``), and a worker drops the replica when none is left.
 * **Resources held.**  Dask counts a task's resources only while it runs, and a replica is
   not a task.  So while a replica lives, a seceded task on its worker (``hold-<name>``,
   body ``dasktensor_worker.tasks.hold_resources``) holds the model's ``resources``: Dask
@@ -43,11 +47,29 @@ class _Leases(ProcessState):
         self.owned: weakref.WeakSet[ModelSpec] = weakref.WeakSet()
         self.leases: dict[str, object] = {}
         self.holds: dict[str, dict[str, object]] = {}
+        #: shared models: how many objects of this process hold each key
+        self.holders: dict[str, int] = {}
 
 
 def own(spec: ModelSpec) -> None:
-    """This process created the model of ``spec``: it holds the lease of its replicas."""
-    runtime.state(_Leases).owned.add(spec)
+    """This process created a model of ``spec``: it holds the lease of its replicas (a
+    shared model's, as long as one of its objects here holds it)."""
+    state = runtime.state(_Leases)
+    state.owned.add(spec)
+    if spec.shared:
+        state.holders[spec.key] = state.holders.get(spec.key, 0) + 1
+
+
+def let_go(key: str) -> bool:
+    """An object of this process holding the shared model ``key`` lets go; whether it
+    was the last (its lease is then to be given back).  No locks (finalizers call it)."""
+    holders = runtime.state(_Leases).holders
+    left = holders.get(key, 1) - 1
+    if left > 0:
+        holders[key] = left
+        return False
+    holders.pop(key, None)
+    return True
 
 
 def hold_lease(spec: ModelSpec, client) -> None:
@@ -67,6 +89,20 @@ def lease_of(spec: ModelSpec, client) -> str | None:
     """The key of the lease this process holds for ``spec`` on ``client``, if any."""
     lease = runtime.state(_Leases).leases.get(spec.key)
     return lease.key if lease is not None and lease.client is client else None
+
+
+def lease_key(key: str) -> str | None:
+    """The key of the lease this process holds for model ``key``, if any (no locks)."""
+    lease = runtime.state(_Leases).leases.get(key)
+    return None if lease is None else lease.key
+
+
+def share(spec: ModelSpec, client, addresses: list[str]) -> None:
+    """This process's lease keeps the shared model's replicas at ``addresses`` (built by
+    another process) too."""
+    lease = lease_of(spec, client)
+    if lease is not None and addresses:
+        client.run(tasks.add_lease, spec.key, lease, workers=addresses, on_error="ignore")
 
 
 def hold_resources(spec: ModelSpec, client, addresses: list[str]) -> None:
@@ -100,24 +136,39 @@ def drop(key: str) -> None:
     state.holds.pop(key, None)
 
 
-def release_in_background(key: str, scheduler) -> None:
-    """Release the replicas of ``key`` from the workers, in a thread of its own (see
+def release_in_background(key: str, scheduler, lease: str | None = None) -> None:
+    """Release the replicas of ``key`` from the workers (or, with ``lease``, give back
+    that lease of a shared model), in a thread of its own (see
     ``dasktensor.engine.release_in_background``: a finalizer may run on Dask's event
     loop, where a blocking client call would wait for that loop for ever)."""
     try:
         threading.Thread(
-            target=_release_key, args=(key, scheduler), name="dasktensor-release", daemon=True
+            target=_release_key,
+            args=(key, scheduler, lease),
+            name="dasktensor-release",
+            daemon=True,
         ).start()
     except RuntimeError:  # at interpreter shutdown: the client's closing drops the lease
         pass
 
 
-def _release_key(key: str, scheduler) -> None:
+def give_back(client, key: str, lease: str | None) -> None:
+    """Give back ``lease`` on the shared model ``key``: the workers drop their replica
+    when no lease is left (nothing to do without a lease: this process never held it)."""
+    if lease is not None:
+        client.run(tasks.unlease, key, lease, on_error="ignore")
+
+
+def _release_key(key: str, scheduler, lease: str | None) -> None:
     """Release ``key`` through the model's client if it still runs; never through a new
     one (a client gone took the lease with it: the workers drop the replicas anyway)."""
     try:
         client = scheduler.running_client()
-        if client is not None:
+        if client is None:
+            return
+        if lease is not None:
+            give_back(client, key, lease)
+        else:
             client.run(tasks.release, key, on_error="ignore")
     except Exception:  # the cluster is gone already: nothing left to release
         pass

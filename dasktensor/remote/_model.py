@@ -20,6 +20,7 @@ from dasktensor._placement import Placement, check_name
 from dasktensor.cluster import SchedulerRef
 from dasktensor.ops import ArraysToArraysOp, LogpGradOp, LogpOp
 from dasktensor.remote._calls import call
+from dasktensor.remote._leases import let_go
 from dasktensor.remote._replicas import build_counts, holders, owned, release, replica_set
 from dasktensor.remote._spec import ModelSpec
 from dasktensor.remote._summary import cluster_summary, model_html
@@ -81,6 +82,15 @@ class RemoteModel:
     hold_resources : bool
         Each replica holds ``resources`` while it lives (a ``hold-<name>`` task: no other
         task asking for them runs beside it); ``False``: only while it is built.
+    key : str, optional
+        The model's identity on its cluster, as hex digits (``dask.base.tokenize`` of
+        what defines it).  Models made with the same ``name`` and ``key`` -- in this
+        process, in sampler processes, on the workers running ``dt.sample`` -- share one
+        set of replicas, and their concurrent calls of a ``@dt.batched`` method run in
+        the same batches.  Each such object holds the replicas while it lives: ``close()``
+        lets go of its hold only, and the workers drop a replica when no holder is left.
+        By default every ``RemoteModel`` is a model of its own (copies made by pickling
+        share it).
 
     Examples
     --------
@@ -120,6 +130,7 @@ class RemoteModel:
         workers=None,
         allow_other_workers: bool = True,
         hold_resources: bool = True,
+        key: str | None = None,
     ):
         self._spec = _checked_spec(
             factory,
@@ -133,8 +144,9 @@ class RemoteModel:
             workers=workers,
             allow_other_workers=allow_other_workers,
             hold_resources=hold_resources,
+            key=key,
         )
-        owned(self, self._spec)  # made here: its replicas live while it does
+        self._hold = owned(self, self._spec)  # made here: its replicas live while it does
 
     # -- options (read-only: they are the model's identity on the cluster) -----------------
 
@@ -152,6 +164,9 @@ class RemoteModel:
 
     def __repr__(self) -> str:
         return repr(self._spec)
+
+    def __getstate__(self):  # a copy made by pickling holds nothing: its creator does
+        return {"_spec": self._spec, "_hold": None}
 
     def _repr_html_(self) -> str:  # Jupyter: options, workers holding replicas, calls so far
         return model_html(self, lambda: cluster_summary(self._spec.client()))
@@ -227,8 +242,12 @@ class RemoteModel:
         return replica_set(self._spec).start()
 
     def close(self) -> None:
-        """Drop the model's replicas from the workers (and this process's connections)."""
-        release(self._spec)
+        """Drop the model's replicas from the workers (and this process's connections);
+        a model made with ``key=`` lets go of its hold only (see there)."""
+        if not self._spec.shared:
+            release(self._spec)
+        elif self._hold is not None and self._hold.detach() is not None and let_go(self.key):
+            release(self._spec)
 
     def workers(self) -> list[str]:
         """Addresses of the workers that hold a replica now (asks the cluster)."""
@@ -252,8 +271,10 @@ def _checked_spec(
     workers,
     allow_other_workers,
     hold_resources,
+    key,
 ) -> ModelSpec:
-    """``RemoteModel``'s options, checked, as a :class:`ModelSpec` with a fresh key."""
+    """``RemoteModel``'s options, checked, as a :class:`ModelSpec` (a fresh key unless
+    ``key`` is given)."""
     if not callable(factory):
         raise TypeError(f"RemoteModel expected a callable factory, got {factory!r}")
     check_name(name, "RemoteModel(name=...)", "it prefixes Dask keys and names the model's Ops")
@@ -277,9 +298,16 @@ def _checked_spec(
         raise ValueError(
             f"RemoteModel(timeout=...) expected a number of seconds > 0, got {timeout!r}"
         )
+    if key is not None and not (
+        isinstance(key, str) and len(key) >= 8 and re.fullmatch(r"[0-9a-f]+", key)
+    ):
+        raise ValueError(
+            "RemoteModel(key=...) expected at least 8 lowercase hex digits (e.g. "
+            f"dask.base.tokenize(...) of what defines the model), got {key!r}"
+        )
     spec = ModelSpec(
         # identity of the model on the cluster; copies made by pickling share it
-        key=f"{name}-{uuid.uuid4().hex[:16]}",
+        key=f"{name}-{(key or uuid.uuid4().hex)[:16]}",
         name=name,
         factory=factory,
         resources=dict(resources or {}),
@@ -291,5 +319,6 @@ def _checked_spec(
         workers=placement.workers,
         only_workers=placement.workers is not None and not placement.allow_other_workers,
         hold_resources=hold_resources,
+        shared=key is not None,
     )
     return spec

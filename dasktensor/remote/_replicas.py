@@ -55,11 +55,15 @@ from dasktensor.remote._channel import get_channel
 from dasktensor.remote._leases import (
     drop,
     drop_hold,
+    give_back,
     hold_lease,
     hold_resources,
+    lease_key,
     lease_of,
+    let_go,
     own,
     release_in_background,
+    share,
 )
 from dasktensor.remote._policy import choose_replica, home_replica
 from dasktensor.remote._probes import answering, answering_workers, answers, suspects
@@ -80,6 +84,7 @@ class ReplicaSet:
         self.endpoints: dict[str, tuple] = {}  # address -> its call server (host, port, tls)
         self.number = 0  # the model's number on the cluster (see _number)
         self.process_number = 0  # this process's, likewise
+        self.leased: set[str] = set()  # workers where this process's lease keeps a shared model
         self.security = None  # the client's distributed.Security (TLS clusters)
         self.checked = 0.0  # time.monotonic() of the last look at the cluster
         self.interval = 0.0  # dasktensor.remote.refresh-interval, read at each look
@@ -244,7 +249,12 @@ class ReplicaSet:
                 built = _gather_builds(client, futures)  # a factory's error is raised here
             if hold:
                 hold_resources(spec, client, [a for a, new in built if new])
+            self.leased.update(a for a, new in built if new)  # (built with the lease)
             held.update(_endpoints(client, spec.key, [a for a, _ in built if a not in held]))
+        if spec.shared:  # replicas another process built: this process's lease keeps them too
+            found = [a for a in held if a not in self.leased]
+            share(spec, client, found)
+            self.leased.update(found)
         return held
 
 
@@ -308,9 +318,16 @@ def replica_set(spec: ModelSpec) -> ReplicaSet:
     state = runtime.state(_Replicas)
     with state.lock:
         found = state.sets.get(spec.key)
-        if found is None:
+        if found is None or _elsewhere(found.spec, spec):
             found = state.sets[spec.key] = ReplicaSet(spec)
         return found
+
+
+def _elsewhere(known: ModelSpec, spec: ModelSpec) -> bool:
+    """Whether two specs of one key name different clusters (a shared model's key made
+    again for another cluster): the replica set of one is not the other's."""
+    a, b = known.scheduler.address, spec.scheduler.address
+    return a is not None and b is not None and a != b
 
 
 def done(address: str) -> None:
@@ -327,7 +344,7 @@ def calls_in_flight() -> dict[str, int]:
         return {a: n for a, n in state.inflight.items() if n}
 
 
-def owned(model, spec: ModelSpec) -> None:
+def owned(model, spec: ModelSpec) -> weakref.finalize:
     """``model`` (a ``RemoteModel`` with ``spec``) was created in this process: hold its
     lease here, and release its replicas when ``model`` is garbage-collected.
 
@@ -336,16 +353,21 @@ def owned(model, spec: ModelSpec) -> None:
     an Op, once compiled, lives as long as the process.  An Op called after its model
     was collected builds the model again, held for the rest of the process's life."""
     own(spec)
-    weakref.finalize(model, _forget, spec.key, spec.scheduler)
+    return weakref.finalize(model, _forget, spec.key, spec.scheduler, spec.shared)
 
 
-def _forget(key: str, scheduler) -> None:
+def _forget(key: str, scheduler, shared: bool) -> None:
     """Finalizer of a model created here: drop its lease (the workers then drop its
-    replicas within a second) and release them at once, in a thread.  No locks: the
+    replicas within a second) and release them at once, in a thread (a shared model's:
+    give back its lease, if no other object of this process holds it).  No locks: the
     collector may run anywhere, also in a thread that holds one of this module's."""
+    if shared and not let_go(key):
+        return
     runtime.state(_Replicas).sets.pop(key, None)
+    lease = lease_key(key) if shared else None
     drop(key)
-    release_in_background(key, scheduler)
+    if not shared or lease is not None:
+        release_in_background(key, scheduler, lease)
 
 
 # -- the cluster's view (asks the workers) --------------------------------------------------
@@ -366,9 +388,15 @@ def build_counts(spec: ModelSpec) -> dict[str, int]:
 
 
 def release(spec: ModelSpec) -> None:
-    """Drop the model's replicas from the workers, and this process's state of them."""
+    """Drop the model's replicas from the workers, and this process's state of them (a
+    shared model: give back this process's lease)."""
+    client = spec.client()
+    lease = lease_of(spec, client) if spec.shared else None
     drop(spec.key)
-    spec.client().run(tasks.release, spec.key)
+    if spec.shared:
+        give_back(client, spec.key, lease)
+    else:
+        client.run(tasks.release, spec.key)
     state = runtime.state(_Replicas)
     with state.lock:
         state.sets.pop(spec.key, None)

@@ -55,6 +55,10 @@ class ModelSpec:
         Replicas live on ``workers`` alone (``allow_other_workers=False``).
     hold_resources : bool
         Each replica holds ``resources`` while it lives (else only its build does).
+    shared : bool
+        The key was given (``RemoteModel(key=...)``): every process that makes the model
+        shares its replicas and holds a lease on them; letting go drops this process's
+        lease only, and the workers drop a replica when no lease is left.
     """
 
     key: str
@@ -69,6 +73,7 @@ class ModelSpec:
     workers: tuple[str, ...] | None = None
     only_workers: bool = False
     hold_resources: bool = True
+    shared: bool = False
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ModelSpec) and other.key == self.key

@@ -34,7 +34,9 @@ class WorkerModels:
     address: str
     models: dict  #: ``{model key: model name}`` of the replicas it holds now
     builds: dict  #: ``{model key: times built}`` of every model it built
-    calls: dict  #: ``{model name: (calls, errors, seconds)}`` it answered
+    #: ``{model name: (calls, errors, seconds, records)}`` it answered (records: calls
+    #: alone and batches of a batched method, whose seconds count once)
+    calls: dict
 
 
 @dataclass(frozen=True, repr=False)
@@ -152,13 +154,20 @@ def model_html(model, summary) -> str:
         return html + f"<p>cluster not reachable ({reason})</p></div>"
     rows, classes = [], []
     for w in cluster.workers:
-        calls, errors, seconds = w.calls.get(model.name, (0, 0, 0.0))
-        mean = f"{1000 * seconds / calls:.2f} ms" if calls else "-"
+        calls, errors, seconds, records = w.calls.get(model.name, (0, 0, 0.0, 0))
+        mean = f"{1000 * seconds / records:.2f} ms" if records else "-"
         holds = model.key in w.models
         classes.append("holds" if holds else "other")
         builds = str(w.builds.get(model.key, 0))
         rows.append([w.name, "yes" if holds else "no", builds, str(calls), str(errors), mean])
-    head = ["worker", "holds a replica", "builds", "calls", "errors", "mean time"]
+    head = [
+        "worker",
+        "holds a replica",
+        "builds",
+        "calls",
+        "errors",
+        "mean time per call or batch",
+    ]
     return (
         html + f"<p>held by {classes.count('holds')} of {len(rows)} worker(s), "
         f"{sum(int(r[3]) for r in rows)} call(s) answered so far</p>"

@@ -1,17 +1,17 @@
 """Whether a function is sharded, into how many shards, and what ``print(f.plan)`` says.
 
-The pure decisions of sharded execution (:mod:`dasktensor.sharding._executor`), apart from running
-it: the ``shards=`` option, the settings ``dasktensor.shard.min-rows`` (data worth
-looking at) and ``dasktensor.shard.min-work`` (work worth a shard), and the cost rule.
-:func:`~dasktensor.sharding._analysis.find_shards` proves that a graph's outputs are exact sums over
-data rows; :func:`worth_it` and :func:`n_shards` decide from its estimate of the work
-(``ShardPlan.work``, element operations of an evaluation over all rows) whether that
-pays: every shard should compute for longer than the call reaching it takes (~1 ms),
-so a function with work for fewer than two shards of ``min-work`` is not sharded, and
-one with more gets one shard per worker up to ``work / min-work`` shards.  The rule is
-static -- the graph, the data's size and the number of workers decide, never a timing
--- so the same function on the same cluster always splits the same way (and sums in
-the same order).
+The pure decisions of sharded execution (:mod:`dasktensor.sharding._executor`), apart
+from running it: the ``shards=`` option, the settings ``dasktensor.shard.min-rows`` (data
+worth looking at) and ``dasktensor.shard.min-work`` (work worth a shard), and the cost
+rule.  :func:`~dasktensor.sharding._analysis.find_shards` proves that a graph's outputs
+are exact sums over data rows; :func:`worth_it` and :func:`n_shards` decide from its
+estimate of the work (``ShardPlan.work``, element operations of an evaluation over all
+rows) whether that pays: every shard should compute for longer than the call reaching it
+takes (~1 ms), so a function with work for fewer than two shards of ``min-work`` is not
+sharded, and one with more gets one shard per worker up to ``work / min-work`` shards.
+The rule is static -- the graph, the data's size and the number of workers decide, never
+a timing -- so the same function on the same cluster always splits the same way (and
+sums in the same order).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def check_shards(shards, owner: str = "shards="):
 
 
 def analyse(fgraph, shards) -> ShardPlan | NotSharded:
-    """:func:`~dasktensor.sharding._analysis.find_shards` as the linker runs it, or why it does not.
+    """``find_shards`` (``dasktensor.sharding._analysis``) as the linker runs it, or why not.
 
     Examples
     --------
