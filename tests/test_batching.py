@@ -128,6 +128,35 @@ def test_wait_collects_calls_that_arrive_after_the_first():
     assert calls == [4]
 
 
+@pytest.mark.parametrize("wait, most_common", [("auto", 8), (0, None)])
+def test_callers_calling_back_to_back_stay_in_one_batch_with_wait_auto(wait, most_common):
+    """8 chains, each calling again as soon as its call returns: by default a batch waits
+    for the callers of the last one (at most a quarter of its time); with wait=0 the
+    first one back runs alone, and lone batches alternate with the others."""
+    import collections
+
+    sizes = []
+
+    @batched(wait=wait)
+    def slow(x):
+        sizes.append(len(x))
+        time.sleep(0.04)
+        return x
+
+    b = Batcher(slow, slow.dasktensor_batched, threading.BoundedSemaphore(1), 1)
+
+    def chain(i):
+        return [float(b.call((np.array(float(i)),))) for _ in range(8)]
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(chain, range(8))) == [[float(i)] * 8 for i in range(8)]
+    counts = collections.Counter(sizes[2:])  # (the first batches form as the threads start)
+    if most_common is not None:
+        assert counts.most_common(1)[0][0] == most_common and 1 not in counts, sizes
+    else:
+        assert counts[1] >= 3, sizes  # the first one back alone, again and again
+
+
 def test_an_error_in_a_batch_reaches_every_caller_and_the_next_batch_runs():
     model = Slow()
     b = batcher(model, "fails")

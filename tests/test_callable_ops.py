@@ -154,3 +154,30 @@ def test_a_transient_failure_succeeds_with_retries_on_the_cluster(client, tmp_pa
     g = dt.function([x], no_retry(x), scheduler=client)
     with pytest.raises(ConnectionError, match="transient failure"):
         g(np.array([1.0]))
+
+
+def test_an_unpickled_function_runs_its_callable_ops_without_numbas_warning(tmp_path):
+    """A sampler's or a worker's copy of a function is unpickled, not built: its callable
+    Ops are registered with Numba's object mode there too (PyTensor 3 would warn once per
+    process that it runs them in object mode, e.g. on every worker of ``dt.sample``)."""
+    import pickle
+    import subprocess
+    import sys
+
+    x, mu = pt.dvector("x"), pt.dscalar("mu")
+    logp = dt.LogpGradOp(normal_logp_and_grad, [pt.dvector, pt.dscalar], name="normal")(x, mu)[0]
+    f = pytensor.function([x, mu], logp)
+    (tmp_path / "f.pkl").write_bytes(pickle.dumps(f))
+    code = (
+        "import pickle, warnings, numpy as np\n"
+        "warnings.simplefilter('error')\n"
+        f"with open({str(tmp_path / 'f.pkl')!r}, 'rb') as fh:\n"
+        "    f = pickle.load(fh)\n"
+        "print(float(f(np.ones(2), 0.0)))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout) == -1.0

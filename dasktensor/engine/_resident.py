@@ -80,7 +80,7 @@ class StageServer:
         """
         return self.run_together([n_inputs], [tokens], [given])[0]
 
-    @batched(stack=False)
+    @batched(stack=False, wait=0)  # (the work per call is the same batched: no waiting)
     def run_together(self, n_inputs: list, tokens: list, given: list) -> list:
         """:meth:`run` for several calls that waited for this stage (see
         ``dasktensor_worker.batching``): one reply per call, each what it gets alone."""

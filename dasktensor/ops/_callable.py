@@ -131,6 +131,10 @@ class _CallableOp(Op):
             )
         self.timeout = timeout
 
+    def __setstate__(self, state):  # unpickled (a sampler's or a worker's copy): no __init__
+        _compat.register_python_ops_with_numba(_CallableOp)
+        self.__dict__.update(state)
+
     def __str__(self) -> str:
         return f"{type(self).__name__}{{{getattr(self.fn, '__name__', self.fn)}}}"
 

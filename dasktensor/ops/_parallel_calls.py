@@ -72,6 +72,10 @@ class ParallelCallsOp(Op):
         self.ops = tuple(ops)
         self.dasktensor_remote = all(op.dasktensor_remote for op in self.ops)
 
+    def __setstate__(self, state):  # unpickled (a sampler's or a worker's copy): no __init__
+        _compat.register_python_ops_with_numba(ParallelCallsOp)
+        self.__dict__.update(state)
+
     def make_node(self, *inputs):
         raise NotImplementedError("ParallelCallsOp nodes are built by the rewrite only")
 

@@ -117,7 +117,7 @@ class ShardServer:
         """The partial values of this shard for these parameters and guesses."""
         return self.run_together(*([a] for a in args))[0]
 
-    @batched(stack=False)
+    @batched(stack=False, wait=0)  # (the work per call is the same batched: no waiting)
     def run_together(self, *columns) -> list[list]:
         """The partial values for several calls at once: ``columns[i][c]`` is argument
         ``i`` of call ``c`` (the calls that waited for this shard, see
