@@ -30,6 +30,29 @@ def test_demo_samples_on_an_embedded_cluster(capfd, chains):
     assert 1.3 < mu_mean < 1.7  # the sites' data have mean 1.5
 
 
+@pytest.mark.slow
+def test_the_demo_run_as_a_new_user_runs_it_prints_no_warning(tmp_path):
+    """``dasktensor demo`` in a fresh process, as a fresh machine runs it: with an empty
+    cache, ArviZ 0.23 (PyMC 5.28's) warns of its refactor on its first import of the day,
+    which the demo must not show (and nothing else may warn either)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # ArviZ's daily stamp
+    done = subprocess.run(
+        [sys.executable, "-m", "dasktensor", "demo", "--workers", "2", *SMALL],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "identical draws: True" in done.stdout
+    assert "Warning" not in done.stdout + done.stderr, done.stderr[-3000:]
+
+
 def test_demo_reports_an_unreachable_scheduler():
     with dask.config.set({"dasktensor.connect-timeout": "1s"}):
         with pytest.raises(ConnectionError, match="dask scheduler"):
