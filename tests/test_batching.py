@@ -286,7 +286,7 @@ def batch_sizes(client, name: str) -> list[int]:
 
 
 def test_remote_callers_get_their_own_rows_bit_for_bit(client):
-    model = dt.RemoteModel(Surrogate, name="surrogate", replicas=1, scheduler=client)
+    model = dt.RemoteModel(Surrogate, name="rows-alone", replicas=1, scheduler=client)
     thetas = [np.array([0.1 * i, -0.2 + 0.05 * i]) for i in range(32)]
     out = together(lambda t: model.call("logp_grad", t[0]), [(t,) for t in thetas])
     local = Surrogate(delay=0)
@@ -294,7 +294,7 @@ def test_remote_callers_get_their_own_rows_bit_for_bit(client):
         want_logp, want_grad = local.logp_grad_alone(t)
         assert logp == want_logp  # bit for bit, whatever batch it ran in
         np.testing.assert_array_equal(grad, want_grad)
-    sizes = batch_sizes(client, "surrogate")
+    sizes = batch_sizes(client, "rows-alone")
     assert sum(sizes) == 32 and max(sizes) > 1, sizes  # the calls log shows the batches
     model.close()
 
@@ -525,7 +525,7 @@ def test_dt_sample_of_8_chains_on_a_batched_model_gives_the_same_draws_every_tim
         Client(cluster, set_as_default=False) as client,
     ):
         model = dt.RemoteModel(
-            functools.partial(Surrogate, 0.005), name="surrogate", replicas=1, scheduler=client
+            functools.partial(Surrogate, 0.005), name="chains-model", replicas=1, scheduler=client
         )
         first = draws(client, model, "logp_grad")
         again = draws(client, model, "logp_grad")
@@ -533,7 +533,7 @@ def test_dt_sample_of_8_chains_on_a_batched_model_gives_the_same_draws_every_tim
         for v in first:
             np.testing.assert_array_equal(first[v], again[v])
             np.testing.assert_array_equal(first[v], alone[v])
-        assert max(batch_sizes(client, "surrogate")) > 1  # chains' calls did run together
+        assert max(batch_sizes(client, "chains-model")) > 1  # chains' calls ran together
         model.close()
 
 
