@@ -435,21 +435,26 @@ def test_each_threads_sharded_result_under_coalescing_equals_the_call_alone(clie
     def chain(i):  # a sampler's chain: its own copy, back-to-back evaluations
         return [[np.array(o) for o in fs[i](points[i])] for _ in range(25)]
 
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(chain, range(4)))
-    for i, runs in enumerate(results):
-        for got in runs:
-            for g, w in zip(got, alone[i]):
-                np.testing.assert_array_equal(g, w)  # bit for bit, whatever coalesced
-    after = sum(n for w in client.run(shard_replicas).values() for k, n in w.items() if k in keys)
-    assert after - before == 2 * 4 * 25  # every call reached both shards once
-
     def batches(dask_worker):
         records = dask_worker.plugins["dasktensor-models"].calls.since(0.0)["records"]
         return [r[5] for r in records if r[0] == "shard"]
 
-    sizes = [s for found in client.run(batches).values() for s in found]
-    assert max(sizes) > 1, "no two chains' calls ever ran together"
+    # Whether calls queue behind one another is up to the machine's timing: rounds of
+    # four chains run until some did (each round's results checked), at most eight.
+    rounds = 0
+    sizes = [1]
+    while max(sizes) == 1 and rounds < 8:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(chain, range(4)))
+        rounds += 1
+        for i, runs in enumerate(results):
+            for got in runs:
+                for g, w in zip(got, alone[i]):
+                    np.testing.assert_array_equal(g, w)  # bit for bit, whatever coalesced
+        sizes = [s for found in client.run(batches).values() for s in found]
+    assert max(sizes) > 1, f"no two chains' calls ever ran together in {rounds} rounds"
+    after = sum(n for w in client.run(shard_replicas).values() for k, n in w.items() if k in keys)
+    assert after - before == rounds * 2 * 4 * 25  # every call reached both shards once
 
 
 def test_a_pickled_copy_in_another_process_finds_the_same_shards(client, tmp_path):

@@ -17,7 +17,10 @@ a question asked of every worker (``dasktensor.remote._summary``).
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import dask
 
 from dasktensor import _config
 from dasktensor._runtime import ProcessState, runtime
@@ -80,6 +83,24 @@ def answering_workers(workers: dict[str, dict], known: dict[str, tuple], securit
             else:
                 state.suspects[address] = probes[address]
         return {a: w for a, w in workers.items() if a not in state.suspects}
+
+
+def some_answering(workers: dict[str, dict], known: dict[str, tuple], security) -> dict:
+    """``answering_workers``, patient when none answers: a probe of every worker timing
+    out at once is more often a loaded machine (a 1-s probe on two busy cores) than a
+    frozen cluster, and with no worker left there is nothing faster to turn to.  So
+    the silent ones are probed again until Dask's connect timeout
+    (``distributed.comm.timeouts.connect``) has passed; what is returned then may be
+    empty (the caller says so)."""
+    found = answering_workers(workers, known, security)
+    if found or not workers:
+        return found
+    patience = dask.utils.parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"))
+    deadline = time.monotonic() + patience
+    while not found and time.monotonic() < deadline:
+        time.sleep(0.2)
+        found = answering_workers(workers, known, security)
+    return found
 
 
 def answering(client) -> list[str]:
