@@ -66,7 +66,7 @@ from dasktensor.remote._leases import (
     share,
 )
 from dasktensor.remote._policy import choose_replica, home_replica
-from dasktensor.remote._probes import answering, answering_workers, answers, suspects
+from dasktensor.remote._probes import answering, answers, some_answering, suspects
 from dasktensor.remote._spec import ModelSpec, RemoteModelError
 from dasktensor_worker import tasks
 
@@ -203,7 +203,8 @@ class ReplicaSet:
             )
         if spec.resources:
             check_resources(client, [Placement(resources=spec.resources)])
-        workers = answering_workers(scheduler_workers(client), self.endpoints, self.security)
+        listed = scheduler_workers(client)
+        workers = some_answering(listed, self.endpoints, self.security)
         eligible = [a for a, w in workers.items() if offers(w.get("resources"), spec.resources)]
         if spec.only_workers:
             eligible = [a for a in eligible if a in _named(spec, eligible, workers)]
