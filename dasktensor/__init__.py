@@ -16,6 +16,7 @@ from dasktensor._linker import DASK as DASK
 from dasktensor._linker import DaskLinker as DaskLinker
 from dasktensor._linker import dask_mode as dask_mode
 from dasktensor._placement import Placement as Placement
+from dasktensor.cluster import Adaptive as Adaptive
 from dasktensor.cluster import NoWorkerWithResourcesError as NoWorkerWithResourcesError
 from dasktensor.cluster import SchedulerLostError as SchedulerLostError
 from dasktensor.cluster import calls_link as calls_link
@@ -52,6 +53,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "Adaptive",
     "ArraysToArraysOp",
     "ClusterSummary",
     "DASK",

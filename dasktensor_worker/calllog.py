@@ -5,8 +5,9 @@ them: a worker busy answering a sampler would look idle.  Each worker's
 :class:`~dasktensor_worker.plugin.ModelHost` therefore records the calls it answers (model,
 method, start, stop, outcome, and how many calls a batch served), keeps totals per
 model and counts the calls in flight.  A batched method's batch is one record.  The
-scheduler's page (:mod:`dasktensor_worker.dashboard`) asks every worker for what happened
-since its last look through the ``dasktensor_call_log`` handler.
+scheduler's monitor (:mod:`dasktensor_worker.monitor`) asks every worker for what
+happened since its last look through the ``dasktensor_call_log`` handler
+(``ModelHost.call_log``), for the dashboard, the metrics and ``dt.Adaptive``.
 
 Calls are recorded by the call server's threads and read by the log handler on the
 worker's event loop, under one lock (a few microseconds a call).  The log keeps the last
@@ -22,6 +23,10 @@ from collections import deque
 
 #: the worker handler the dashboard page asks for records
 LOG_HANDLER = "dasktensor_call_log"
+#: upper bounds (seconds) of the call-duration histogram's buckets, Prometheus-style (the
+#: last, infinity, implied): from a fraction of a millisecond (a channel round trip) to
+#: minutes (a simulator)
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60)
 
 
 class CallLog:
@@ -48,6 +53,12 @@ class CallLog:
         #: model name -> ``[calls, errors, seconds, records]`` (records: calls alone and
         #: batches, whose seconds are counted once)
         self.totals: dict[str, list] = {}
+        #: model name -> method (``"__call__"``: the model itself) -> ``[calls, errors]``
+        self.methods: dict[str, dict[str, list]] = {}
+        #: model name -> calls whose duration was at most each of ``BUCKETS`` (cumulative
+        #: counts, then all calls), and the sum of the durations (each call of a batch
+        #: counts the batch's duration)
+        self.durations: dict[str, list] = {}
         self.inflight: dict[str, int] = {}
         self.lock = threading.Lock()
 
@@ -75,14 +86,27 @@ class CallLog:
 
     def _record(self, name, method, start, stop, size, status) -> None:
         self.records.append((name, method, start, stop, status, size))
+        errors = size if status != "OK" else 0
         totals = self.totals.setdefault(name, [0, 0, 0.0, 0])
         totals[0] += size
-        totals[1] += size if status != "OK" else 0
+        totals[1] += errors
         totals[2] += stop - start
         totals[3] += 1
+        by_model = self.methods.setdefault(name, {})
+        by_method = by_model.setdefault("__call__" if method is None else str(method), [0, 0])
+        by_method[0] += size
+        by_method[1] += errors
+        counts = self.durations.setdefault(name, [0] * (len(BUCKETS) + 1) + [0.0])
+        seconds = stop - start
+        for i, bound in enumerate(BUCKETS):
+            if seconds <= bound:
+                counts[i] += size
+        counts[len(BUCKETS)] += size
+        counts[-1] += size * seconds
 
     def since(self, when: float) -> dict:
-        """The calls that ended after ``when``, the totals, and the calls in flight."""
+        """The calls that ended after ``when``, the totals (per model, per method, the
+        histogram of durations), and the calls in flight."""
         records = []
         with self.lock:
             for record in reversed(self.records):  # newest first: stop at the first old one
@@ -90,10 +114,15 @@ class CallLog:
                     break
                 records.append(list(record))
             totals = {name: list(t) for name, t in self.totals.items()}
+            methods = {n: {m: list(t) for m, t in ms.items()} for n, ms in self.methods.items()}
+            durations = {name: list(c) for name, c in self.durations.items()}
             inflight = {name: n for name, n in self.inflight.items() if n}
         records.reverse()
-        return {"records": records, "totals": totals, "inflight": inflight, "now": time.time()}
-
-    async def handle(self, since: float = 0.0) -> dict:
-        """The ``dasktensor_call_log`` handler."""
-        return self.since(float(since))
+        return {
+            "records": records,
+            "totals": totals,
+            "methods": methods,
+            "durations": durations,
+            "inflight": inflight,
+            "now": time.time(),
+        }

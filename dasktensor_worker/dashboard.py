@@ -1,36 +1,302 @@
-"""The calls page: remote-model calls and resident stages on the scheduler's dashboard.
+"""The channel's page on Dask's dashboard: ``/individual-dasktensor-calls``.
 
-Channel calls skip the scheduler, so the task stream does not show them.  This scheduler
-plugin adds two routes to the dashboard's web server (the one serving ``/status``):
+Channel calls (remote models, resident stages, shards) skip the scheduler, so the task
+stream does not show them.  This page is a Bokeh document like the dashboard's own
+individual plots, fed by the scheduler's :class:`~dasktensor_worker.monitor.ChannelMonitor`:
 
-* ``/dasktensor/calls``: a page that looks like the task stream: one row per worker, a
-  bar per call or batch of a batched method (its model's colour, as long as it took, red
-  if it raised; its title gives the batch size), and a table per model: calls, errors,
-  calls in flight, mean time per call or batch, mean batch size, and which workers
-  answered;
-* ``/dasktensor/calls.json``: what the page reads every second, gathered from every
-  worker's call log (:mod:`dasktensor_worker.calllog`) with one broadcast.
+* a stream of the calls per worker: a time axis, a bar per call or batch (as long as it
+  took, in its model's colour, red if it raised), and on hover its model, method,
+  duration, batch size and worker;
+* a table per model: calls, errors, calls in flight, mean time per call or batch, p99
+  time, replicas and mean batch size.
 
-``RemoteModel`` registers the plugin (idempotent) the first time it finds its replicas on
-a cluster; ``client.register_plugin(CallsPage())`` does it by hand.  A scheduler without
-a dashboard gets no page.  The page is plain HTML and JavaScript: no Bokeh needed.
+It is listed in ``/individual-plots.json``, so the dashboard's "More..." menu and
+dask-labextension offer it as "Dasktensor Calls".  ``/dasktensor/calls`` redirects to it.
+
+How it gets there:
+
+* importing this module adds it to ``distributed.dashboard.scheduler.applications``,
+  which a scheduler reads when it starts its dashboard: ``dt.connect()`` imports it before
+  starting its local cluster, and ``dask scheduler --preload dasktensor_worker.dashboard``
+  imports it before the dashboard starts (its ``dask_setup`` starts the monitor);
+* a scheduler already running gets it when the monitor starts (:func:`add_page`: the
+  first remote model on that cluster registers the monitor), added to its running Bokeh
+  server.
 """
 
 from __future__ import annotations
 
-import json
+import time
+from functools import partial
+from urllib.parse import urljoin
 
+from bokeh.layouts import column
+from bokeh.models import (
+    ColumnDataSource,
+    DataTable,
+    DatetimeTickFormatter,
+    FactorRange,
+    HoverTool,
+    NumberFormatter,
+    Range1d,
+    TableColumn,
+)
+from bokeh.palettes import Category10
+from bokeh.plotting import figure
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
-from dasktensor_worker.calllog import LOG_HANDLER
+from dasktensor_worker.monitor import monitor_of
 
-#: where the page lives on the dashboard
-PAGE = "/dasktensor/calls"
+#: the page's path on the dashboard (a Bokeh application)
+PATH = "/individual-dasktensor-calls"
+#: the address of the earlier hand-written page, which now redirects to PATH
+OLD_PATH = "/dasktensor/calls"
+#: seconds of calls the stream shows
+SPAN = 30.0
+ERROR = "#d62728"
+PALETTE = [c for c in Category10[10] if c != ERROR]
+
+
+class CallsView:
+    """The Bokeh models of the page, updated from a monitor once a second."""
+
+    def __init__(self, monitor, **kwargs):
+        self.monitor = monitor
+        self.number = max(0, monitor.numbered - 5_000)  # the newest calls already seen
+        self.colours: dict[str, str] = {}
+        self._shown = ""  # the table's rows, as shown
+        self.calls = ColumnDataSource(
+            {k: [] for k in ("x", "width", "worker", "colour", "model", "method", "ms", "size")}
+        )
+        self.figure = figure(
+            title="Calls through the channel (remote models, resident stages, shards)",
+            x_axis_type="datetime",
+            x_range=Range1d(time.time() * 1000 - SPAN * 1000, time.time() * 1000),
+            y_range=FactorRange(factors=[]),
+            height=300,
+            tools="save",
+            toolbar_location="above",
+            sizing_mode="stretch_width",
+            min_border_left=150,
+            **kwargs,
+        )
+        bars = self.figure.rect(
+            x="x",
+            y="worker",
+            width="width",
+            height=0.7,
+            fill_color="colour",
+            line_color="colour",
+            line_width=3,  # a call of a fraction of a millisecond still shows
+            source=self.calls,
+            name="calls",
+        )
+        bars.nonselection_glyph = None
+        self.figure.add_tools(
+            HoverTool(
+                renderers=[bars],
+                point_policy="follow_mouse",
+                tooltips=[
+                    ("model", "@model"),
+                    ("method", "@method"),
+                    ("time", "@ms{0.00} ms"),
+                    ("calls in it", "@size"),
+                    ("worker", "@worker"),
+                ],
+            )
+        )
+        self.figure.xgrid.visible = False
+        self.figure.xaxis.formatter = DatetimeTickFormatter(
+            seconds="%H:%M:%S", milliseconds="%H:%M:%S.%3N", minsec="%H:%M:%S", context=None
+        )
+        self.figure.yaxis.axis_label = "worker"
+        self.models = ColumnDataSource(
+            {
+                k: []
+                for k in (
+                    "model",
+                    "calls",
+                    "errors",
+                    "inflight",
+                    "mean",
+                    "p99",
+                    "replicas",
+                    "batch",
+                )
+            }
+        )
+        ms = NumberFormatter(format="0.00")
+        self.table = DataTable(
+            source=self.models,
+            columns=[
+                TableColumn(field="model", title="model"),
+                TableColumn(field="calls", title="calls"),
+                TableColumn(field="errors", title="errors"),
+                TableColumn(field="inflight", title="in flight"),
+                TableColumn(field="mean", title="mean (ms)", formatter=ms),
+                TableColumn(field="p99", title="p99 (ms)", formatter=ms),
+                TableColumn(field="replicas", title="replicas"),
+                TableColumn(field="batch", title="mean batch", formatter=ms),
+            ],
+            index_position=None,
+            height=200,
+            sizing_mode="stretch_width",
+            name="models",
+        )
+        self.root = column(self.figure, self.table, sizing_mode="stretch_both")
+
+    def colour(self, name: str, status: str) -> str:
+        if status != "OK":
+            return ERROR
+        if name not in self.colours:
+            self.colours[name] = PALETTE[len(self.colours) % len(PALETTE)]
+        return self.colours[name]
+
+    def update(self) -> None:
+        monitor = self.monitor
+        monitor.watched_until = time.time() + 3 * monitor.interval  # fetch the calls
+        new = [r for r in list(monitor.records) if r[0] > self.number]
+        if new:
+            self.number = new[-1][0]
+            rows = {k: [] for k in self.calls.data}
+            for _, worker, (name, method, start, stop, status, size) in new:
+                rows["x"].append((start + stop) / 2 * 1000)
+                rows["width"].append((stop - start) * 1000)
+                rows["worker"].append(worker)
+                rows["colour"].append(self.colour(name, status))
+                rows["model"].append(name if status == "OK" else f"{name} (raised)")
+                rows["method"].append(method)
+                rows["ms"].append((stop - start) * 1000)
+                rows["size"].append(size)
+            self.calls.stream(rows, rollover=5_000)
+        workers = sorted(set(monitor.replies) | set(self.calls.data["worker"]))
+        if list(self.figure.y_range.factors) != workers:
+            self.figure.y_range.factors = workers
+        models = monitor.models()
+        names = sorted(models)
+        for name in names:
+            self.colour(name, "OK")
+        rows = {
+            "model": names,
+            "calls": [models[n]["calls"] for n in names],
+            "errors": [models[n]["errors"] for n in names],
+            "inflight": [models[n]["inflight"] for n in names],
+            "mean": [_ms(models[n]["seconds"], models[n]["evaluations"]) for n in names],
+            "p99": [_ms(models[n]["p99"] or 0.0, 1 if models[n]["p99"] else 0) for n in names],
+            "replicas": [models[n]["replicas"] for n in names],
+            "batch": [_ratio(models[n]["calls"], models[n]["evaluations"]) for n in names],
+        }
+        if repr(rows) != self._shown:  # (repr: NaN equals itself there)
+            self._shown = repr(rows)
+            self.models.data.update(rows)
+            # Bokeh's table redraws when its rows' indices change, not their values:
+            # a change of one of its properties redraws it
+            self.table.tags = [self.table.tags[0] + 1 if self.table.tags else 1]
+        end = time.time() * 1000
+        self.figure.x_range.start, self.figure.x_range.end = end - SPAN * 1000, end
+
+
+def _ms(seconds: float, n: int) -> float:
+    return float("nan") if not n else 1000 * seconds / n
+
+
+def _ratio(calls: int, evaluations: int) -> float:
+    return float("nan") if not evaluations else calls / evaluations
+
+
+def calls_doc(scheduler, extra, doc) -> None:
+    """The page's Bokeh document (what the dashboard serves at :data:`PATH`)."""
+    from distributed.dashboard.components import add_periodic_callback
+    from distributed.dashboard.components.scheduler import BOKEH_THEME
+
+    monitor = monitor_of(scheduler)  # (started here when the page opens first)
+    page = CallsView(monitor)
+    page.update()
+    add_periodic_callback(doc, page, int(monitor.interval * 1000))
+    doc.add_root(page.root)
+    doc.theme = BOKEH_THEME
+    doc.title = "Dask: dasktensor calls"
+
+
+def _install() -> None:
+    """List the page among the dashboard's applications (read when a scheduler starts
+    its dashboard)."""
+    try:
+        from distributed.dashboard import scheduler as dashboard
+    except ImportError:  # no Bokeh on this side
+        return
+    dashboard.applications.setdefault(PATH, calls_doc)
+
+
+_install()
+
+
+def add_page(scheduler) -> None:
+    """Give a running scheduler's dashboard the page (if it lacks it) and the redirect
+    from :data:`OLD_PATH`.  A scheduler without a dashboard gets nothing."""
+    routing = getattr(scheduler, "http_application", None)
+    if routing is None:
+        return
+    from bokeh.server.tornado import BokehTornado
+
+    bokeh = next((a for a in routing.applications if isinstance(a, BokehTornado)), None)
+    if bokeh is None:
+        return
+    prefix = bokeh._prefix  # "" or "/prefix"
+    if PATH not in bokeh.app_paths:
+        _add_application(bokeh, PATH, partial(calls_doc, scheduler, {"prefix": prefix}))
+        _list_in_menu(scheduler)
+    if not getattr(scheduler, "_dasktensor_redirect", False):
+        target = urljoin(prefix.rstrip("/") + "/", PATH.lstrip("/"))
+        routing.add_application(
+            web.Application([(prefix + OLD_PATH + "/?", web.RedirectHandler, {"url": target})])
+        )
+        scheduler._dasktensor_redirect = True
+
+
+def _add_application(bokeh, path: str, make_doc) -> None:
+    """Add a Bokeh application to a running ``BokehTornado`` (its constructor's work
+    for one more path: a context, the per-application routes, its static route)."""
+    from bokeh.application import Application
+    from bokeh.application.handlers.function import FunctionHandler
+    from bokeh.server.contexts import ApplicationContext
+    from bokeh.server.tornado import create_static_handler
+    from bokeh.server.urls import per_app_patterns
+
+    app = Application(FunctionHandler(make_doc))
+    context = ApplicationContext(app, url=path, logout_url=None)
+    context._loop = bokeh._loop
+    routes = []
+    for pattern, handler in per_app_patterns:
+        routes.append((bokeh._prefix + path + pattern, handler, {"application_context": context}))
+    websocket = next(r[0] for r in routes if r[0].endswith("/ws"))
+    for route in routes:
+        route[2]["bokeh_websocket_path"] = websocket
+    routes.append(create_static_handler(bokeh._prefix, path, app))
+    bokeh._applications[path] = context
+    bokeh.add_handlers(r".*", routes)
+
+
+def _list_in_menu(scheduler) -> None:
+    """Add the page to the "More..." menu of the dashboard's own pages (the menu is
+    made once per scheduler, when its dashboard starts)."""
+    try:
+        from distributed.dashboard.scheduler import template_variables
+    except ImportError:
+        return
+    plots = template_variables(scheduler)["plots"]
+    url = PATH.strip("/")
+    if not any(p["url"] == url for p in plots):
+        plots.append({"url": url, "name": "Dasktensor Calls"})
+        plots.sort(key=lambda p: p["name"])
 
 
 class CallsPage(SchedulerPlugin):
-    """Serve ``/dasktensor/calls`` from the scheduler's dashboard.
+    """Put the page on the scheduler's dashboard, and start its channel monitor.
+
+    Registered by remote models, ``dt.connect`` and ``dt.calls_link`` (idempotent);
+    ``client.register_plugin(CallsPage())`` does it by hand.
 
     Examples
     --------
@@ -39,131 +305,19 @@ class CallsPage(SchedulerPlugin):
     >>> local = dict(processes=False, n_workers=1, dashboard_address="127.0.0.1:0")
     >>> with distributed.Client(**local) as c:  # doctest: +SKIP
     ...     c.register_plugin(CallsPage())
-    ...     print(c.dashboard_link.replace("/status", "/dasktensor/calls"))
-    http://127.0.0.1:.../dasktensor/calls
+    ...     print(c.dashboard_link.replace("/status", "/individual-dasktensor-calls"))
+    http://127.0.0.1:.../individual-dasktensor-calls
     """
 
     name = "dasktensor-calls-page"
     idempotent = True
 
-    def __init__(self):
-        self._app = None
-        self._routing = None
-
     async def start(self, scheduler) -> None:
-        routing = getattr(scheduler, "http_application", None)
-        if routing is None:  # no dashboard on this scheduler
-            return
-        args = {"scheduler": scheduler}
-        self._app = web.Application(
-            [(PAGE, _PageHandler), (PAGE + ".json", _RecordsHandler, args)]
-        )
-        self._routing = routing
-        routing.add_application(self._app)
-
-    async def close(self) -> None:
-        if self._routing is not None and self._app in self._routing.applications:
-            self._routing.applications.remove(self._app)
+        monitor_of(scheduler)
+        add_page(scheduler)
 
 
-class _PageHandler(web.RequestHandler):
-    def get(self):
-        self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.write(_HTML)
-
-
-class _RecordsHandler(web.RequestHandler):
-    def initialize(self, scheduler):
-        self.scheduler = scheduler
-
-    async def get(self):
-        since = float(self.get_argument("since", "0"))
-        replies = await self.scheduler.broadcast(
-            msg={"op": LOG_HANDLER, "since": since}, on_error="return"
-        )
-        workers = {a: r for a, r in replies.items() if isinstance(r, dict)}
-        self.set_header("Content-Type", "application/json")
-        self.write(json.dumps({"workers": workers}))
-
-
-_HTML = """<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>dasktensor: remote calls</title>
-<style>
- body { font-family: sans-serif; margin: 1em; color: #222; }
- h1 { font-size: 1.2em; } table { border-collapse: collapse; margin-top: 1em; }
- td, th { padding: 2px 10px; text-align: right; border-bottom: 1px solid #ddd; }
- td:first-child, th:first-child { text-align: left; } .swatch { display: inline-block;
- width: 10px; height: 10px; margin-right: 6px; } #stream text { font-size: 11px; }
-</style></head><body>
-<h1>dasktensor: calls of remote models and resident stages (last <span id="span">30</span> s)</h1>
-<p id="status">waiting for the workers...</p>
-<svg id="stream" width="1000" height="40"></svg>
-<table id="models"><thead><tr><th>model</th><th>calls</th><th>errors</th>
-<th>in flight</th><th>mean time</th><th>mean batch</th><th>workers</th></tr></thead>
-<tbody></tbody></table>
-<script>
-const SPAN = 30, PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b",
-  "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"];
-const colours = {}, records = {}; let since = 0;
-function colour(name) {
-  if (!(name in colours)) colours[name] = PALETTE[Object.keys(colours).length % PALETTE.length];
-  return colours[name];
-}
-function esc(s) { return String(s).replace(/[&<>"]/g, c => "&#" + c.charCodeAt(0) + ";"); }
-async function poll() {
-  try {
-    const reply = await (await fetch("calls.json?since=" + since)).json();
-    draw(reply.workers);
-  } catch (e) { document.getElementById("status").textContent = "no answer: " + e; }
-  setTimeout(poll, 1000);
-}
-function draw(workers) {
-  const addresses = Object.keys(workers).sort(), totals = {}, inflight = {}, held = {};
-  let now = 0;
-  for (const a of addresses) {
-    const w = workers[a]; now = Math.max(now, w.now);
-    records[a] = (records[a] || []).concat(w.records);
-    for (const [name, t] of Object.entries(w.totals)) {
-      const s = totals[name] || (totals[name] = [0, 0, 0, 0]);
-      s[0] += t[0]; s[1] += t[1]; s[2] += t[2]; s[3] += t[3];
-      (held[name] || (held[name] = new Set())).add(a);
-    }
-    for (const [name, n] of Object.entries(w.inflight)) inflight[name] = (inflight[name] || 0) + n;
-  }
-  if (now) since = now - 1;  // a little overlap: calls ending around the last look
-  const svg = document.getElementById("stream"), rowH = 22, left = 170, width = 1000 - left;
-  svg.setAttribute("height", Math.max(40, addresses.length * rowH + 20));
-  let parts = [];
-  addresses.forEach((a, i) => {
-    const seen = new Set();
-    records[a] = records[a].filter(r => r[3] > now - SPAN);
-    parts.push(`<text x="0" y="${i * rowH + 15}">${esc(a)}</text>`);
-    for (const r of records[a]) {
-      const key = r.join("|"); if (seen.has(key)) continue; seen.add(key);
-      const x = left + width * (1 - (now - r[2]) / SPAN);
-      const w = Math.max(1, width * (r[3] - r[2]) / SPAN);
-      const fill = r[4] === "OK" ? colour(r[0]) : "#d62728";
-      parts.push(`<rect class="call" x="${x}" y="${i * rowH + 3}" width="${w}" height="16" ` +
-        `fill="${fill}"><title>${esc(r[0])}.${esc(r[1])}: ` +
-        `${((r[3] - r[2]) * 1e3).toFixed(1)} ms` +
-        `${r[5] > 1 ? ", a batch of " + r[5] + " calls" : ""}</title></rect>`);
-    }
-  });
-  svg.innerHTML = parts.join("");
-  const rows = Object.keys(totals).sort().map(name => {
-    const t = totals[name];
-    return `<tr data-model="${esc(name)}"><td><span class="swatch" ` +
-      `style="background:${colour(name)}"></span>${esc(name)}</td>` +
-      `<td class="calls">${t[0]}</td><td class="errors">${t[1]}</td>` +
-      `<td class="inflight">${inflight[name] || 0}</td>` +
-      `<td>${t[3] ? (1e3 * t[2] / t[3]).toFixed(2) + " ms" : "-"}</td>` +
-      `<td class="batch">${t[3] ? (t[0] / t[3]).toFixed(1) : "-"}</td>` +
-      `<td>${held[name].size}</td></tr>`;
-  });
-  document.querySelector("#models tbody").innerHTML = rows.join("");
-  document.getElementById("status").textContent =
-    `${addresses.length} worker(s) answering, ${Object.keys(totals).length} model(s)`;
-}
-poll();
-</script></body></html>
-"""
+async def dask_setup(scheduler) -> None:
+    """``dask scheduler --preload dasktensor_worker.dashboard``: start the channel
+    monitor (the import of this module has listed the page already)."""
+    await scheduler.register_scheduler_plugin(CallsPage(), idempotent=True)

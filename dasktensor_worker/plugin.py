@@ -97,7 +97,7 @@ class ModelHost(WorkerPlugin):
     # -- the plugin's life ------------------------------------------------------------
 
     def setup(self, worker) -> None:
-        worker.handlers[LOG_HANDLER] = self.calls.handle
+        worker.handlers[LOG_HANDLER] = self.call_log
         address = getattr(worker, "address", None) or "inproc://"
         context = None
         if address.startswith("tls://"):
@@ -116,7 +116,7 @@ class ModelHost(WorkerPlugin):
     def teardown(self, worker) -> None:
         if self._lease_check is not None:
             self._lease_check.stop()
-        if worker.handlers.get(LOG_HANDLER) == self.calls.handle:
+        if worker.handlers.get(LOG_HANDLER) == self.call_log:
             del worker.handlers[LOG_HANDLER]
         self.closed = True
         if self.server is not None:
@@ -137,11 +137,18 @@ class ModelHost(WorkerPlugin):
     # -- replicas ---------------------------------------------------------------------
 
     def build(
-        self, key: str, name: str, factory: Callable, concurrency: int, lease: str | None = None
+        self,
+        key: str,
+        name: str,
+        factory: Callable,
+        concurrency: int,
+        lease: str | None = None,
+        scalable: bool = True,
     ) -> bool:
         """Build model ``key`` with ``factory()`` unless this worker holds it already;
-        keep it while task ``lease`` exists (None: until released).  Whether this call
-        built it."""
+        keep it while task ``lease`` exists (None: until released).  ``scalable``: the
+        model has a replica on every worker that can hold one.  Whether this call built
+        it."""
         with self.lock:  # one build per key, however many tasks ask at once
             if key in self.replicas:
                 if lease is not None:  # a creator's build, after another process's
@@ -154,7 +161,9 @@ class ModelHost(WorkerPlugin):
                     f"{name!r} was being built; expected it to stay installed, call again "
                     "to build the model on a worker that has it"
                 )
-            self.replicas[key] = Replica(model, concurrency, name, self._batch_recorder(name))
+            replica = Replica(model, concurrency, name, self._batch_recorder(name))
+            replica.scalable = scalable
+            self.replicas[key] = replica
             self.builds[key] = self.builds.get(key, 0) + 1
             if lease is not None:
                 self.leases.setdefault(key, set()).add(lease)
@@ -221,11 +230,46 @@ class ModelHost(WorkerPlugin):
             self.calls.finished(replica.name, method, start, status, record=alone)
         return ("OK", result)
 
+    async def call_log(self, since: float = 0.0) -> dict:
+        """The ``dasktensor_call_log`` handler: the call log since ``since`` (see
+        :meth:`CallLog.since`), and the models held here: ``{name: {"replicas": n,
+        "concurrency": c, "scalable": bool}}`` (what the dashboard, the metrics and
+        ``dt.Adaptive`` read)."""
+        found = self.calls.since(float(since))
+        models: dict = {}
+        for replica in list(self.replicas.values()):
+            info = models.setdefault(
+                replica.name, {"replicas": 0, "concurrency": 0, "scalable": False}
+            )
+            info["replicas"] += 1
+            info["concurrency"] += replica.concurrency
+            info["scalable"] = info["scalable"] or getattr(replica, "scalable", True)
+        found["models"] = models
+        return found
+
     def _batch_recorder(self, name: str):
         def record(method, start, stop, size, status):
             self.calls.batch(name, method, start, stop, size, status)
 
         return record
+
+
+class CallLogHandler(WorkerPlugin):
+    """Answer the ``dasktensor_call_log`` handler on every worker, with an empty log
+    where no model was ever built (the worker's :class:`ModelHost` answers it once it
+    has one): the scheduler's channel monitor asks every worker once a second, and a
+    worker without the handler would log a warning each time.  The monitor registers
+    it for all workers, present and future."""
+
+    name = "dasktensor-call-log"
+    idempotent = True
+
+    def setup(self, worker) -> None:
+        worker.handlers.setdefault(LOG_HANDLER, _empty_call_log)
+
+
+async def _empty_call_log(since: float = 0.0) -> dict:
+    return {**CallLog().since(float(since)), "models": {}}
 
 
 def _listen_host(address: str) -> str:

@@ -27,19 +27,26 @@ from collections.abc import Callable
 
 
 def build_replica(
-    key: str, name: str, factory: Callable, concurrency: int, lease: str | None = None
+    key: str,
+    name: str,
+    factory: Callable,
+    concurrency: int,
+    lease: str | None = None,
+    scalable: bool = True,
 ) -> tuple[str, bool]:
     """Task body: build model ``key`` on this worker (once); the worker's address, and
     whether this task built it (False: the worker held it already).
 
     ``lease``: the key of a task its creator keeps wanted; the replica is dropped once
-    the scheduler has forgotten it (see ``ModelHost.check_leases``)."""
+    the scheduler has forgotten it (see ``ModelHost.check_leases``).  ``scalable``: the
+    model has a replica on every worker that can hold one (no ``replicas=`` limit), so
+    more workers serve more of its calls (what ``dt.Adaptive`` asks for)."""
     from distributed import get_worker
 
     from dasktensor_worker.plugin import ensure_host
 
     worker = get_worker()
-    built = ensure_host(worker).build(key, name, factory, concurrency, lease)
+    built = ensure_host(worker).build(key, name, factory, concurrency, lease, scalable)
     return worker.address, built
 
 

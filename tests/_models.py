@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 
+from dasktensor_worker import batched
+
 
 class Probe:
     """A model that says where it runs; every build appends its process id to a file."""
@@ -68,3 +70,16 @@ def record_then_sleep(pidfile: str, seconds: float):
             return x * 2.0
 
     return Sleeper()
+
+
+class Doubler:
+    """A batched model: ``double`` takes the waiting calls' rows at once (``delay`` s a
+    batch, whatever its size)."""
+
+    def __init__(self, delay: float = 0.05):
+        self.delay = delay
+
+    @batched
+    def double(self, x):  # (calls, n)
+        time.sleep(self.delay)
+        return 2 * x

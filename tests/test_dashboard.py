@@ -281,90 +281,175 @@ def test_task_stream_page_shows_dasktensor_task_names(chromium, dashboard_client
 
 # ----------------------------------------------------------------------------- calls page
 
-CALLS_TABLE_JS = """
-(() => Array.from(document.querySelectorAll("#models tbody tr")).map((row) => ({
-  model: row.dataset.model,
-  calls: Number(row.querySelector(".calls").textContent),
-  bars: document.querySelectorAll("#stream rect.call").length,
-})))()
+# The calls page's Bokeh document as the browser holds it: the calls plotted (the source
+# with columns model, method, size, worker) and the per-model table's rows.
+CALLS_PAGE_JS = r"""
+(() => {
+  const B = window.Bokeh;
+  if (!B || !B.documents || !B.documents.length) return null;
+  let calls = null, table = null;
+  for (const doc of B.documents) {
+    for (const model of doc.all_models) {
+      const data = model.data;
+      if (data == null || typeof data !== "object") continue;
+      const col = (c) => (data instanceof Map ? data.get(c) : data[c]);
+      if (col("method") && col("size") && col("worker")) {
+        calls = {models: Array.from(col("model")), sizes: Array.from(col("size"))};
+      }
+      if (col("calls") && col("inflight") && col("p99")) {
+        const names = Array.from(col("model"));
+        table = names.map((m, i) => ({model: m, calls: col("calls")[i],
+          errors: col("errors")[i], replicas: col("replicas")[i], p99: col("p99")[i]}));
+      }
+    }
+  }
+  return calls && table ? {calls, table} : null;
+})()
 """
 
+# Where a person would point the mouse to read a site-a call: the centre of its widest bar.
+CALL_BAR_JS = r"""
+(() => {
+  for (const view of Bokeh.index.all_views()) {
+    const source = view.model.data_source;
+    if (view.glyph == null || source == null || source.data == null) continue;
+    const data = source.data;
+    const col = (c) => (data instanceof Map ? data.get(c) : data[c]);
+    const models = col("model"), widths = col("width");
+    if (models == null || widths == null || col("method") == null) continue;
+    let best = -1;
+    for (let i = 0; i < models.length; i++) {
+      if (models[i] === "site-a" && (best < 0 || widths[i] > widths[best])) best = i;
+    }
+    if (best < 0 || view.glyph.sx == null || best >= view.glyph.sx.length) return null;
+    const box = view.plot_view.canvas_view.el.getBoundingClientRect();
+    return [box.left + view.glyph.sx[best], box.top + view.glyph.sy[best]];
+  }
+  return null;
+})()
+"""
 
-class Sampler:
-    """``pm.sample`` in a background thread, its likelihood two remote models."""
+CALLS = {"site-a": 120, "site-b": 80}  # back to back, one thread a model
+
+
+class Callers:
+    """Two remote models called from two threads, a known number of times each, and
+    one call of site-a that raises in the model (a parameter vector too short)."""
 
     def __init__(self, client):
-        import pymc as pm
-
         from dasktensor.cli._demo import Site
 
-        self.models = [
-            dt.RemoteModel(
-                functools.partial(Site, seed, 0.005), name=f"site-{tag}", scheduler=client
-            )
-            for seed, tag in enumerate("ab")
+        self.models = {
+            tag: dt.RemoteModel(functools.partial(Site, seed, 0.02), name=tag, scheduler=client)
+            for seed, tag in enumerate(CALLS)
+        }
+        for m in self.models.values():
+            m.start()
+        self.errors: list[BaseException] = []
+        self.threads = [
+            threading.Thread(target=self._run, args=(tag,), daemon=True) for tag in CALLS
         ]
-        ops = [m.logp_grad_op("logp_grad", [pt.dvector]) for m in self.models]
-        with pm.Model() as self.model:
-            params = pm.Normal("params", 0.0, 1.0, shape=2)
-            for k, op in enumerate(ops):
-                pm.Potential(f"site_{k}", op(params)[0])
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="dashboard-sampler", daemon=True)
 
-    def _run(self):
-        import pymc as pm
-
+    def _run(self, tag):
         try:
-            with self.model:
-                pm.sample(draws=150, tune=150, chains=1, cores=1, progressbar=False, random_seed=1)
+            for _ in range(CALLS[tag]):
+                self.models[tag].call("logp_grad", np.zeros(2))
+            if tag == "site-a":
+                with pytest.raises(IndexError):
+                    self.models[tag].call("logp_grad", np.zeros(1))
         except BaseException as e:
-            self.error = e
+            self.errors.append(e)
 
-    def __enter__(self):
-        self.thread.start()
-        return self
+    def start(self):
+        for t in self.threads:
+            t.start()
 
-    def __exit__(self, *exc):
-        self.thread.join(timeout=120)
-        for m in self.models:
+    def join(self):
+        for t in self.threads:
+            t.join(timeout=120)
+        return not any(t.is_alive() for t in self.threads)
+
+    def close(self):
+        for m in self.models.values():
             m.close()
 
 
-async def look_at_calls_page(chromium: str, page_url: str, sampler: Sampler):
-    """Load the calls page while the sampler runs; return its table and a screenshot."""
+async def look_at_calls_page(chromium: str, base: str, callers: Callers, failed_png):
+    """Open the calls page from the dashboard's list of plots, make the calls, and read
+    the page: (its table, the calls plotted, a tooltip's text, a screenshot)."""
     async with browser_page(chromium, WIDTH, HEIGHT) as page:
-        await page.goto(page_url)
+        try:
+            plots = await (await page.request.get(f"{base}/individual-plots.json")).json()
+            await page.goto(base + plots["Individual Dasktensor Calls"])
+            await until("the page's Bokeh document", lambda: page.evaluate(CALLS_PAGE_JS), 30)
+            await asyncio.get_running_loop().run_in_executor(None, callers.start)
+            await asyncio.get_running_loop().run_in_executor(None, callers.join)
 
-        async def both_models_called():
-            if sampler.error is not None:
-                raise sampler.error
-            rows = await page.evaluate(CALLS_TABLE_JS) or []
-            calls = {r["model"]: r["calls"] for r in rows}
-            running = sampler.thread.is_alive()
-            ok = all(calls.get(m, 0) >= 20 for m in ("site-a", "site-b"))
-            return rows if ok and running and rows[0]["bars"] > 0 else None
+            async def all_counted():
+                seen = await page.evaluate(CALLS_PAGE_JS)
+                rows = {r["model"]: r for r in seen["table"]}
+                done = {m: rows.get(m, {}).get("calls") for m in CALLS}
+                want = {"site-a": CALLS["site-a"] + 1, "site-b": CALLS["site-b"]}
+                return seen if done == want and len(seen["calls"]["models"]) >= 201 else None
 
-        rows = await until("the sampler's calls on the calls page", both_models_called, 90)
-        await page.evaluate(NEXT_FRAME_JS)
-        return rows, await page.screenshot()
+            seen = await until("every call in the table and the plot", all_counted, 30, 0.5)
+            # no tooltip yet: the method's name appears because the mouse points at a call
+            assert "logp_grad" not in await page.evaluate(VISIBLE_TEXT_JS)
+
+            async def tooltip():
+                point = await page.evaluate(CALL_BAR_JS)
+                if not point:
+                    return None
+                for x, y in [(1, 1), point]:
+                    await page.mouse.move(x, y)
+                await asyncio.sleep(0.3)
+                text = await page.evaluate(VISIBLE_TEXT_JS)
+                return text if "logp_grad" in text else None
+
+            text = await until("a tooltip of a site-a call", tooltip, 10, interval=0.5)
+            await page.evaluate(NEXT_FRAME_JS)
+            return seen, text, await page.screenshot()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                failed_png.write_bytes(await page.screenshot(timeout=10_000))
+            raise
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_calls_page_shows_remote_models_while_a_sampler_runs(chromium, dashboard_client, tmp_path):
+def test_calls_page_is_a_dashboard_plot_that_counts_and_draws_the_calls(
+    chromium, dashboard_client, tmp_path
+):
     base = dashboard_client.dashboard_link.rsplit("/", 1)[0]
-    with Sampler(dashboard_client) as sampler:
-        rows, png = asyncio.run(
+    callers = Callers(dashboard_client)
+    try:
+        seen, text, png = asyncio.run(
             asyncio.wait_for(
-                look_at_calls_page(chromium, f"{base}/dasktensor/calls", sampler), 150
+                look_at_calls_page(chromium, base, callers, tmp_path / "failed.png"), 180
             )
         )
-    assert sampler.error is None
+    finally:
+        callers.close()
+    assert not callers.errors, callers.errors
     (tmp_path / "calls.png").write_bytes(png)
     if os.environ.get("DASKTENSOR_SCREENSHOT_DIR"):
         shutil.copy(tmp_path / "calls.png", os.environ["DASKTENSOR_SCREENSHOT_DIR"])
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
-    models = {r["model"]: r["calls"] for r in rows}
-    assert set(models) == {"site-a", "site-b"}
-    assert min(models.values()) >= 20
+    rows = {r["model"]: r for r in seen["table"]}
+    assert rows["site-a"]["errors"] == 1 and rows["site-b"]["errors"] == 0
+    assert rows["site-a"]["replicas"] == rows["site-b"]["replicas"] == 2  # one a worker
+    assert 20 <= rows["site-a"]["p99"] < 1000  # ms: the 20-ms model, from the histogram
+    plotted = seen["calls"]["models"]
+    assert plotted.count("site-b") == CALLS["site-b"]
+    assert plotted.count("site-a") == CALLS["site-a"] and "site-a (raised)" in plotted
+    assert "site-a" in text and "logp_grad" in text and "ms" in text  # the hover
+
+
+def test_the_old_calls_address_redirects_to_the_page(dashboard_client):
+    import urllib.request
+
+    base = dashboard_client.dashboard_link.rsplit("/", 1)[0]
+    dt.calls_link(dashboard_client)
+    with urllib.request.urlopen(f"{base}/dasktensor/calls") as reply:
+        assert reply.geturl() == f"{base}/individual-dasktensor-calls"
+        assert b"Bokeh" in reply.read()

@@ -169,7 +169,7 @@ class FakeWorker:
 def test_teardown_stops_the_call_server_and_releases_the_replicas():
     worker, host = FakeWorker(), ModelHost()
     host.setup(worker)
-    assert worker.handlers["dasktensor_call_log"] == host.calls.handle
+    assert worker.handlers["dasktensor_call_log"] == host.call_log
     host.build("m-1", "m", dict, 1)
     host.build("m-1", "m", dict, 1)  # built once
     assert host.builds == {"m-1": 1}

@@ -19,14 +19,16 @@ Everything in dasktensor that talks to a distributed cluster goes through here: 
   an embedded ``LocalCluster`` on 127.0.0.1.
 * **Errors** (``_errors.py``).  :class:`SchedulerLostError`, and how a lost scheduler is
   recognised.
-* **The calls page** (``_dashboard.py``).  :func:`show_calls_page` adds
-  ``/dasktensor/calls`` to the scheduler's dashboard, where the remote-call channel's
-  calls show, which Dask's task stream cannot.
+* **The channel on Dask's tools** (``_dashboard.py``, ``_adaptive.py``).
+  :func:`show_calls_page` starts the scheduler's channel monitor: the dashboard page
+  ``/individual-dasktensor-calls``, the ``dasktensor_*`` metrics on ``/metrics``;
+  :class:`Adaptive` (``dt.Adaptive``) scales on the channel's demand as well as Dask's.
 
 A forked child forgets the Clients of its parent and Dask's thread pools
 (:mod:`dasktensor._runtime`), and reconnects to the same scheduler on first use.
 """
 
+from dasktensor.cluster._adaptive import Adaptive as Adaptive
 from dasktensor.cluster._client import SchedulerRef as SchedulerRef
 from dasktensor.cluster._client import client_for_address as client_for_address
 from dasktensor.cluster._client import default_client as default_client
@@ -46,6 +48,7 @@ from dasktensor.cluster._workers import offers as offers
 from dasktensor.cluster._workers import scheduler_workers as scheduler_workers
 
 __all__ = [
+    "Adaptive",
     "NoWorkerWithResourcesError",
     "SchedulerLostError",
     "SchedulerRef",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dask
 
 from dasktensor import _config
-from dasktensor.cluster._dashboard import show_calls_page
+from dasktensor.cluster._dashboard import list_the_page, show_calls_page
 
 
 def configured_address() -> str | None:
@@ -119,7 +119,7 @@ def connect(
     -------
     distributed.Client
         ``client.dashboard_link`` is the dashboard's address; ``dt.calls_link(client)``
-        its page of remote-model calls and resident stages (``/dasktensor/calls``), which
+        its page of remote-model calls and resident stages (``/individual-dasktensor-calls``), which
         the task stream does not show.
 
     Raises
@@ -240,6 +240,7 @@ def connect(
     no_workers = {
         "distributed.scheduler.no-workers-timeout": _config.get("placement.resource-timeout")
     }
+    list_the_page()  # on the dashboard of the scheduler started here, from the start
     with dask.config.set(no_workers):
         if security is None:
             # the client starts the cluster and stops it when it closes

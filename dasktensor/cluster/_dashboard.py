@@ -1,8 +1,11 @@
-"""The calls page: where the remote-call channel's calls show on the dashboard.
+"""The channel on Dask's own tools: the dashboard page, the metrics, the demand.
 
-Calls through the channel skip the scheduler, so Dask's task stream cannot show them;
-:func:`show_calls_page` adds ``/dasktensor/calls`` to the scheduler's dashboard
-(``dt.connect`` and remote models do it).
+Calls through the channel skip the scheduler, so Dask's task stream, ``/metrics`` and
+``Adaptive`` cannot see them.  :func:`show_calls_page` registers the scheduler plugin
+that gathers them (``dasktensor_worker.monitor.ChannelMonitor``), which adds the page
+``/individual-dasktensor-calls`` to the dashboard, the ``dasktensor_*`` metrics to
+``/metrics`` and the demand that ``dt.Adaptive`` reads (``dt.connect`` and remote
+models do it).
 """
 
 from __future__ import annotations
@@ -11,19 +14,33 @@ import warnings
 
 from dasktensor._runtime import ProcessState, runtime
 
+#: the page's path on the dashboard (dasktensor_worker.dashboard.PATH, without Bokeh)
+PAGE = "/individual-dasktensor-calls"
+
 
 class _PagesShown(ProcessState):
-    """The clients whose scheduler was given the calls page by this process."""
+    """The clients whose scheduler was given the channel monitor by this process."""
 
     def __init__(self):
         self.shown: set[tuple[int, str]] = set()
 
 
-def show_calls_page(client) -> None:
-    """Add the calls page to the cluster's dashboard, once per client and process.
+def list_the_page() -> None:
+    """List the page among the dashboard's applications, for the schedulers this
+    process starts from now on (``dt.connect``'s local cluster); nothing without Bokeh."""
+    try:
+        import dasktensor_worker.dashboard  # noqa: F401  (lists the page on import)
+    except ImportError:
+        pass
 
-    ``/dasktensor/calls`` (``dasktensor_worker.dashboard``) shows the channel's calls,
-    which Dask's task stream cannot.  A scheduler that cannot load the page (no
+
+def show_calls_page(client) -> None:
+    """Start the channel monitor on the cluster's scheduler, and add its page to the
+    dashboard, once per client and process.
+
+    The monitor (``dasktensor_worker.monitor``) gathers the workers' call logs and
+    shows them on the dashboard (``/individual-dasktensor-calls``) and on ``/metrics``,
+    and tells ``dt.Adaptive`` the channel's demand.  A scheduler that cannot load it (no
     ``dasktensor_worker`` installed there) leaves the cluster working without it.
     """
     key = (id(client), client.scheduler.address)
@@ -31,13 +48,17 @@ def show_calls_page(client) -> None:
     if key in shown:
         return
     shown.add(key)
-    from dasktensor_worker.dashboard import CallsPage
+    try:
+        from dasktensor_worker.dashboard import CallsPage as plugin
+    except ImportError:  # no Bokeh here: the monitor alone (metrics, demand)
+        from dasktensor_worker.monitor import ChannelMonitor as plugin
 
     try:
-        client.register_plugin(CallsPage())
+        client.register_plugin(plugin())
     except Exception as e:  # the calls still work: say once what is missing
         warnings.warn(
-            f"the dashboard's calls page could not be added to the scheduler at "
+            f"the channel monitor (the dashboard's calls page, the dasktensor metrics, "
+            f"dt.Adaptive's demand) could not be added to the scheduler at "
             f"{client.scheduler.address} ({type(e).__name__}: {e}); install dasktensor "
             "in the scheduler's environment to see remote calls on its dashboard",
             RuntimeWarning,
@@ -48,20 +69,22 @@ def show_calls_page(client) -> None:
 def calls_link(client) -> str | None:
     """The address of the dashboard's calls page of ``client``'s cluster, or None.
 
-    Remote-model calls and resident stages skip the scheduler, so Dask's task stream does
-    not show them; this page does: a bar per call on each worker, and per model the
-    calls, errors, calls in flight and mean time.  ``dt.connect()`` adds it to the
-    dashboard (so does the first use of a remote model).
+    Remote-model calls, resident stages and shards skip the scheduler, so Dask's task
+    stream does not show them; this page does: a bar per call or batch on each worker
+    (hover for model, method, time, batch size), and per model the calls, errors, calls
+    in flight, mean and p99 time, replicas and mean batch size.  It is listed in the
+    dashboard's "More..." menu as "Dasktensor Calls"; ``dt.connect()`` adds it (so does
+    the first use of a remote model).
 
     Examples
     --------
     >>> import dasktensor as dt
     >>> client = dt.connect(n_workers=1, dashboard_address="127.0.0.1:0")  # doctest: +SKIP
     >>> dt.calls_link(client)  # doctest: +SKIP
-    'http://127.0.0.1:38121/dasktensor/calls'
+    'http://127.0.0.1:38121/individual-dasktensor-calls'
     """
     link = getattr(client, "dashboard_link", None)
     if not link or "dashboard" not in client.scheduler_info().get("services", {}):
         return None
     show_calls_page(client)
-    return link.rsplit("/", 1)[0] + "/dasktensor/calls"
+    return link.rsplit("/", 1)[0] + PAGE

@@ -214,6 +214,13 @@ class ReplicaSet:
                     f"on these alone), the cluster at {client.scheduler.address} has "
                     f"{sorted(workers) or 'no workers'}"
                 )
+        if not eligible and listed and not workers:
+            raise RemoteModelError(
+                f"{spec!r}: expected workers to build the model on, the cluster at "
+                f"{client.scheduler.address} lists {sorted(listed)} but none of their call "
+                "servers answered a probe in Dask's connect timeout "
+                "(distributed.comm.timeouts.connect): frozen, or cut off the network"
+            )
         if not eligible:
             raise RemoteModelError(
                 f"{spec!r}: expected workers to build the model on, the cluster at "
@@ -239,6 +246,7 @@ class ReplicaSet:
                         spec.factory,
                         spec.concurrency,
                         lease_of(spec, client),
+                        spec.replicas is None,  # scalable: a replica on each worker
                         key=f"build-{spec.name}-{uuid.uuid4().hex}",
                         placement=Placement(
                             resources=None if hold else spec.resources or None, workers=[a]
