@@ -4,7 +4,7 @@ Channel calls (remote models, resident stages, shards) skip the scheduler, so th
 stream does not show them.  This page is a Bokeh document like the dashboard's own
 individual plots, fed by the scheduler's :class:`~dasktensor_worker.monitor.ChannelMonitor`:
 
-* a stream of the calls per worker: a time axis, a bar per call or batch (as long as it
+* a stream of the calls per worker over the last 30 s: a time axis, a bar per call or batch (as long as it
   took, in its model's colour, red if it raised), and on hover its model, method,
   duration, batch size and worker;
 * a table per model: calls, errors, calls in flight, mean time per call or batch, p99
@@ -37,6 +37,7 @@ from bokeh.models import (
     DatetimeTickFormatter,
     FactorRange,
     HoverTool,
+    HTMLTemplateFormatter,
     NumberFormatter,
     Range1d,
     TableColumn,
@@ -56,6 +57,10 @@ OLD_PATH = "/dasktensor/calls"
 SPAN = 30.0
 ERROR = "#d62728"
 PALETTE = [c for c in Category10[10] if c != ERROR]
+#: a model's colour in the table, as a square
+SWATCH = HTMLTemplateFormatter(
+    template='<div style="background:<%= value %>;width:12px;height:12px;margin:5px 0"></div>'
+)
 
 
 class CallsView:
@@ -115,6 +120,7 @@ class CallsView:
             {
                 k: []
                 for k in (
+                    "colour",
                     "model",
                     "calls",
                     "errors",
@@ -130,6 +136,7 @@ class CallsView:
         self.table = DataTable(
             source=self.models,
             columns=[
+                TableColumn(field="colour", title="", width=16, formatter=SWATCH),
                 TableColumn(field="model", title="model"),
                 TableColumn(field="calls", title="calls"),
                 TableColumn(field="errors", title="errors"),
@@ -178,6 +185,7 @@ class CallsView:
         for name in names:
             self.colour(name, "OK")
         rows = {
+            "colour": [self.colours[n] for n in names],
             "model": names,
             "calls": [models[n]["calls"] for n in names],
             "errors": [models[n]["errors"] for n in names],
@@ -193,8 +201,12 @@ class CallsView:
             # Bokeh's table redraws when its rows' indices change, not their values:
             # a change of one of its properties redraws it
             self.table.tags = [self.table.tags[0] + 1 if self.table.tags else 1]
+        # the last SPAN seconds, or less when the calls began later (at least 5 s)
         end = time.time() * 1000
-        self.figure.x_range.start, self.figure.x_range.end = end - SPAN * 1000, end
+        xs, widths = self.calls.data["x"], self.calls.data["width"]
+        first = min((x - w / 2 for x, w in zip(xs, widths)), default=end) - 500
+        start = min(max(end - SPAN * 1000, first), end - 5_000)
+        self.figure.x_range.start, self.figure.x_range.end = start, end
 
 
 def _ms(seconds: float, n: int) -> float:

@@ -18,7 +18,7 @@ def test_demo_samples_on_an_embedded_cluster(capfd, chains):
     assert "Warning" not in out + err, out + err  # nothing a new user cannot act on
     assert "Dashboard: http://127.0.0.1:" in out
     assert "Remote calls (not in the task stream): http://127.0.0.1:" in out
-    assert "/dasktensor/calls\n" in out
+    assert "/individual-dasktensor-calls\n" in out
     assert "4 remote models (site-a, site-b, site-c, site-d)" in out
     assert "identical draws: True" in out  # remote and serial runs agree draw for draw
     # 2 workers hold a replica of each site: an evaluation's 4 calls run at once
@@ -129,7 +129,7 @@ def test_info_shows_workers_resources_and_flags_other_versions(info_cluster, cap
     out = capsys.readouterr().out
     assert f"Scheduler:  {address}\n" in out
     assert f"Dashboard:  {info_cluster.dashboard_link}\n" in out
-    calls = info_cluster.dashboard_link.replace("/status", "/dasktensor/calls")
+    calls = info_cluster.dashboard_link.replace("/status", "/individual-dasktensor-calls")
     assert f"Calls page: {calls}\n" in out
     assert info_cluster.dashboard_link.startswith("http://127.0.0.1:")
     assert "Workers:    2 (3 thread(s), memory limit 1.50 GiB)" in out

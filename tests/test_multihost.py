@@ -435,6 +435,50 @@ def test_a_host_cut_before_dt_sample_starts_leaves_the_chains_to_the_others(clie
     assert took < calm_took + 25, (took, calm_took)
 
 
+# ----------------------------------------------------------------------------- the dashboard
+
+
+def test_a_scheduler_started_with_the_preload_shows_the_page_and_the_metrics():
+    """``dask scheduler --preload dasktensor_worker.dashboard`` on its own host: the page
+    is among the dashboard's plots before any client connects; the metrics count the
+    calls a client then makes on a worker host; the old address redirects."""
+    import json
+    import urllib.request
+
+    with Hosts(2) as hosts:
+        host = hosts.addresses[0]
+        dashboard = f"http://{host}:8787"
+        address = hosts.scheduler(0, "--dashboard", "--dashboard-address", f"{host}:8787",
+                                  "--preload", "dasktensor_worker.dashboard", env=ENV)  # fmt: skip
+        hosts.worker(1, address, env=ENV)
+
+        def get(path: str) -> tuple[str, bytes]:
+            with urllib.request.urlopen(dashboard + path, timeout=30) as reply:
+                return reply.geturl(), reply.read()
+
+        plots = json.loads(get("/individual-plots.json")[1])
+        assert plots.get("Individual Dasktensor Calls") == "/individual-dasktensor-calls"
+        url, page = get("/dasktensor/calls")
+        assert url == dashboard + "/individual-dasktensor-calls" and b"Bokeh" in page
+        with dt.connect(address, timeout=60, set_as_default=False) as client:
+            client.wait_for_workers(1, timeout=120)
+            model = dt.RemoteModel(Probe, name="preloaded", scheduler=client)
+            for _ in range(5):
+                model.call("where", 0.0)
+            deadline = time.monotonic() + 15
+            counted = ""
+            while time.monotonic() < deadline and "} 5.0" not in counted:
+                time.sleep(0.5)
+                metrics = get("/metrics")[1].decode()
+                counted = "".join(
+                    line for line in metrics.splitlines()
+                    if line.startswith('dasktensor_calls_total{method="where",model="preloaded"')
+                )  # fmt: skip
+            assert f'worker="tcp://{hosts.addresses[1]}:' in counted, metrics
+            assert counted.endswith("} 5.0"), counted
+            model.close()
+
+
 # ----------------------------------------------------------------------------- a lost scheduler
 
 

@@ -23,8 +23,6 @@ from _models import Doubler, Probe
 
 import dasktensor as dt
 
-prometheus_client = pytest.importorskip("prometheus_client")
-
 
 def monitor_says(client, what: str, *args):
     """Call the scheduler's channel monitor's method ``what``."""
