@@ -83,3 +83,39 @@ class Doubler:
     def double(self, x):  # (calls, n)
         time.sleep(self.delay)
         return 2 * x
+
+
+class Decay:
+    """A vector-valued simulator with its vjp and jvp: ``y(t) = y0 exp(-k t)`` on a
+    grid of times, for ``theta = [y0, k]``; the trajectory of each ``theta`` solved is
+    kept (keyed by its bytes), so the vjp at the same point reuses it, as an ODE
+    solver's adjoint reuses its forward solution."""
+
+    def __init__(self, times=(0.0, 0.5, 1.0, 2.0, 4.0), delay: float = 0.0):
+        self.t = np.asarray(times, dtype=float)
+        self.delay = delay
+        self.solved: dict[bytes, np.ndarray] = {}
+        self.reused = 0
+
+    def solve(self, theta):
+        time.sleep(self.delay)
+        y = theta[0] * np.exp(-theta[1] * self.t)
+        if len(self.solved) > 64:
+            self.solved.clear()
+        self.solved[theta.tobytes()] = y
+        return y
+
+    def solve_vjp(self, theta, g):
+        y = self.solved.get(theta.tobytes())
+        if y is None:
+            y = theta[0] * np.exp(-theta[1] * self.t)
+        else:
+            self.reused += 1
+        return np.array([g @ (y / theta[0]), g @ (-self.t * y)])
+
+    def solve_jvp(self, theta, v):
+        y = theta[0] * np.exp(-theta[1] * self.t)
+        return v[0] * y / theta[0] - v[1] * self.t * y
+
+    def reuses(self):
+        return self.reused

@@ -1,6 +1,6 @@
 """Ops wrapping Python callables: model calls that the planner runs as tasks of their own.
 
-``ArraysToArraysOp`` (arrays in, arrays out, no gradient), ``LogpOp`` (arrays in, a
+``ArraysToArraysOp`` (arrays in, arrays out; a gradient through a ``vjp`` when given), ``LogpOp`` (arrays in, a
 scalar log-density out, no gradient) and ``LogpGradOp`` (a function returning the
 log-density and its gradients).  ``LogpGradOp`` outputs ``[logp, *grads]`` and its
 gradient reuses the node's own outputs, so one evaluation of logp and dlogp is ONE call of
@@ -273,7 +273,7 @@ def _wrapped_hint(value, want) -> str:
 
 
 class ArraysToArraysOp(_CallableOp):
-    """Arrays in, arrays out, through a Python function; no gradient.
+    """Arrays in, arrays out, through a Python function; differentiable given a ``vjp``.
 
     Parameters
     ----------
@@ -283,6 +283,16 @@ class ArraysToArraysOp(_CallableOp):
         Types of the inputs and outputs, e.g. ``[pt.dvector]``.
     name : str
         Prefix of the task keys on the dashboard (letters and dashes).
+    vjp : callable, optional
+        The vector-Jacobian product: ``vjp(*arrays, *cotangents) -> gradients``, the
+        Op's inputs followed by one cotangent per output (shaped like it; zeros for an
+        output the cost does not depend on), returning one gradient per input (shaped
+        like it; the array itself for one input).  With it, ``pytensor.grad`` works
+        through the Op (NUTS, ``pm.sample``): the vjp is an Op of its own (named
+        ``name + "-vjp"``, a call of its own, placed as the forward one).
+    jvp : callable, optional
+        The Jacobian-vector product, for ``pytensor.gradient.Rop``: ``jvp(*arrays,
+        *tangents) -> output tangents``, one tangent per input, one result per output.
     resources, retries, priority
         Dask annotations of the call's task (``resources={"GPU": 1}``...); ``retries``
         re-runs a call that raised (a timeout included).
@@ -291,21 +301,153 @@ class ArraysToArraysOp(_CallableOp):
 
     Examples
     --------
-    >>> import numpy as np, pytensor.tensor as pt
+    >>> import numpy as np, pytensor, pytensor.tensor as pt
     >>> import dasktensor as dt
     >>> simulate = dt.ArraysToArraysOp(np.cumsum, [pt.dvector], [pt.dvector])
     >>> f = dt.function([x := pt.dvector("x")], simulate(x) * 2)
     >>> f([1.0, 2.0, 3.0]).tolist()
     [2.0, 6.0, 12.0]
+
+    With its vjp (the cotangent summed from the back: the transpose of ``cumsum``'s
+    Jacobian), the Op has a gradient:
+
+    >>> def cumsum_vjp(x, g):
+    ...     return np.cumsum(g[::-1])[::-1]
+    >>> simulate = dt.ArraysToArraysOp(np.cumsum, [pt.dvector], [pt.dvector], vjp=cumsum_vjp)
+    >>> cost = (simulate(x) ** 2).sum()
+    >>> g = dt.function([x], pytensor.grad(cost, x))
+    >>> g([1.0, 2.0, 3.0]).tolist()
+    [38.0, 36.0, 24.0]
     """
 
-    def __init__(self, fn, itypes, otypes, *, name="arrays-remote", **annotations):
+    __props__ = (*_CallableOp.__props__, "vjp", "jvp")
+    __str__ = _CallableOp.__str__  # (PyTensor 2 makes one from __props__ otherwise)
+
+    def __init__(
+        self, fn, itypes, otypes, *, name="arrays-remote", vjp=None, jvp=None, **annotations
+    ):
         super().__init__(fn, itypes, otypes, name=name, **annotations)
+        for what, given in (("vjp", vjp), ("jvp", jvp)):
+            if given is not None and not callable(given):
+                raise TypeError(
+                    f"{type(self).__name__}({what}=...) expected a callable, got {given!r}"
+                )
+        if vjp is not None or jvp is not None:
+            for i, t in enumerate((*self.itypes, *self.otypes)):
+                if not t.dtype.startswith("float"):
+                    side = "input" if i < len(self.itypes) else "output"
+                    raise TypeError(
+                        f"{type(self).__name__} with a vjp or jvp: every input and output "
+                        f"must be floating point to have a derivative, got {side} {t}"
+                    )
+        self.vjp = vjp
+        self.jvp = jvp
+        self._annotations = annotations
 
     def _convert(self, out) -> tuple:
         if len(self.otypes) == 1:
             return (out,)
         return tuple(out)
+
+    def _derivative_op(self, fn, suffix: str, extra, otypes) -> ArraysToArraysOp:
+        """The Op calling ``fn`` (the vjp or jvp) on the inputs and ``extra`` arrays."""
+        return ArraysToArraysOp(
+            fn, (*self.itypes, *extra), otypes, name=f"{self.dasktensor_name}-{suffix}",
+            **self._annotations,
+        )  # fmt: skip
+
+    def _pullback(self, inputs, outputs, cotangents):
+        if self.vjp is None:
+            return self._no_gradient(inputs, outputs, cotangents)
+        cotangents = [
+            pt.zeros_like(out) if isinstance(g.type, DisconnectedType) else g
+            for out, g in zip(outputs, cotangents)
+        ]
+        op = _VjpOp(
+            self.vjp, (*self.itypes, *self.otypes), self.itypes,
+            name=f"{self.dasktensor_name}-vjp", transpose=self.jvp, **self._annotations,
+        )  # fmt: skip
+        grads = op(*inputs, *cotangents)
+        return list(grads) if isinstance(grads, list | tuple) else [grads]
+
+    def _pushforward(self, inputs, tangents):
+        if self.jvp is None:
+            raise NotImplementedError(
+                f"{self} has no jvp: give jvp=... (the Jacobian-vector product) for "
+                "pytensor.gradient.Rop"
+            )
+        tangents = [
+            pt.zeros_like(x) if t is None or isinstance(t.type, DisconnectedType) else t
+            for x, t in zip(inputs, tangents)
+        ]
+        op = self._derivative_op(self.jvp, "jvp", self.itypes, self.otypes)
+        out = op(*inputs, *tangents)
+        return list(out) if isinstance(out, list | tuple) else [out]
+
+    if _compat.PYTENSOR_3:
+        pullback = _pullback
+
+        def pushforward(self, inputs, outputs, tangents):
+            return self._pushforward(inputs, tangents)
+
+    else:
+        L_op = _pullback
+
+        def R_op(self, inputs, eval_points):
+            return self._pushforward(inputs, eval_points)
+
+
+class _VjpOp(ArraysToArraysOp):
+    """The vjp of an :class:`ArraysToArraysOp`: ``(x, g) -> J(x)^T g``.
+
+    Linear in the cotangents ``g``, so its own vjp with respect to them is ``J(x) c``:
+    the forward Op's jvp (``transpose``), when it has one.  PyTensor's ``Rop`` (and
+    ``pushforward``) takes that road by default (two pullbacks, the second through
+    this Op); second derivatives with respect to ``x`` are not offered.
+    """
+
+    __props__ = (*ArraysToArraysOp.__props__, "transpose")
+
+    def __str__(self) -> str:  # named as its task: <forward name>-vjp
+        return f"{self.dasktensor_name}{{{getattr(self.fn, '__name__', self.fn)}}}"
+
+    def __init__(self, fn, itypes, otypes, *, name, transpose=None, **annotations):
+        super().__init__(fn, itypes, otypes, name=name, **annotations)
+        self.transpose = transpose
+
+    def _check_outputs(self, results, node, inputs) -> list[np.ndarray]:
+        outs = super()._check_outputs(results, node, inputs)
+        for i, (grad, x) in enumerate(zip(outs, inputs)):  # one gradient per input
+            if grad.shape != np.shape(x):
+                raise ValueError(
+                    f"{self}: the vjp {getattr(self.fn, '__name__', 'fn')} returned a "
+                    f"gradient of shape {grad.shape} for input {i}, expected the input's "
+                    f"shape {np.shape(x)}"
+                )
+        return outs
+
+    def _pullback(self, inputs, outputs, cotangents):
+        n = len(self.otypes)  # the forward Op's inputs, first
+        if self.transpose is None:
+            return self._no_gradient(inputs, outputs, cotangents)
+        cotangents = [
+            pt.zeros_like(out) if isinstance(c.type, DisconnectedType) else c
+            for out, c in zip(outputs, cotangents)
+        ]
+        xs = inputs[:n]
+        jvp = ArraysToArraysOp(
+            self.transpose, (*self.otypes, *self.otypes), self.itypes[n:],
+            name=self.dasktensor_name.removesuffix("-vjp") + "-jvp", **self._annotations,
+        )  # fmt: skip
+        out = jvp(*xs, *cotangents)
+        tangents = list(out) if isinstance(out, list | tuple) else [out]
+        missing = [grad_not_implemented(self, i, x) for i, x in enumerate(xs)]
+        return missing + tangents
+
+    if _compat.PYTENSOR_3:
+        pullback = _pullback
+    else:
+        L_op = _pullback
 
 
 class LogpOp(_CallableOp):
@@ -424,10 +566,26 @@ def logp_op(fn=None, /, *, itypes, name="logp-remote", **annotations):
     return wrap if fn is None else wrap(fn)
 
 
-def arrays_to_arrays_op(fn=None, /, *, itypes, otypes, name="arrays-remote", **annotations):
-    """Decorator form of :class:`ArraysToArraysOp` (see :func:`logp_grad_op`)."""
+def arrays_to_arrays_op(
+    fn=None, /, *, itypes, otypes, name="arrays-remote", vjp=None, jvp=None, **annotations
+):
+    """Decorator form of :class:`ArraysToArraysOp` (see :func:`logp_grad_op`); ``vjp=``
+    and ``jvp=`` give it derivatives.
+
+    Examples
+    --------
+    >>> import numpy as np, pytensor.tensor as pt
+    >>> import dasktensor as dt
+    >>> def scale_vjp(x, g):
+    ...     return 3.0 * g
+    >>> @dt.arrays_to_arrays_op(itypes=[pt.dvector], otypes=[pt.dvector], vjp=scale_vjp)
+    ... def scale(x):
+    ...     return 3.0 * x
+    >>> scale.vjp is scale_vjp
+    True
+    """
 
     def wrap(f):
-        return ArraysToArraysOp(f, itypes, otypes, name=name, **annotations)
+        return ArraysToArraysOp(f, itypes, otypes, name=name, vjp=vjp, jvp=jvp, **annotations)
 
     return wrap if fn is None else wrap(fn)

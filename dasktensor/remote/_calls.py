@@ -48,17 +48,26 @@ from dasktensor.remote._spec import ModelSpec, RemoteModelError
 _LOST = (OSError, EOFError)
 
 
-def call(spec: ModelSpec, method: str | None, args: tuple, retries_left: int | None = None):
+def call(
+    spec: ModelSpec,
+    method: str | None,
+    args: tuple,
+    retries_left: int | None = None,
+    affinity: tuple | None = None,
+):
     """Run ``model.<method>(*args)`` on a replica of ``spec``; its result.
 
-    ``retries_left`` defaults to the model's ``retries``.
+    ``retries_left`` defaults to the model's ``retries``.  ``affinity``: ``("solves",
+    key)`` remembers which replica answered for ``key`` (a digest of the inputs of a
+    forward call that has a vjp), ``("reuses", key)`` goes to that replica if it is still
+    there (the vjp's call at the same inputs, which may reuse the forward solution).
     """
     if retries_left is None:
         retries_left = spec.retries
     replicas = replica_set(spec)
     lost = 0
     while True:
-        address = replicas.pick()
+        address = replicas.pick(_preferred(replicas, affinity))
         try:
             reply = _round_trip(replicas, address, spec, method, args)
         except TimeoutError:
@@ -71,6 +80,7 @@ def call(spec: ModelSpec, method: str | None, args: tuple, retries_left: int | N
             ) from None
         status = reply[0] if isinstance(reply, tuple) else None
         if status == "OK":
+            _remember(replicas, affinity, address)
             return reply[1]
         if status == "missing":  # the worker lost the replica (it was released)
             replicas.drop(address)
@@ -84,6 +94,17 @@ def call(spec: ModelSpec, method: str | None, args: tuple, retries_left: int | N
             retries_left -= 1
             continue
         _raise_remote(reply[1])
+
+
+def _preferred(replicas, affinity: tuple | None) -> str | None:
+    if affinity is None or affinity[0] != "reuses":
+        return None
+    return replicas.solved_at(affinity[1])
+
+
+def _remember(replicas, affinity: tuple | None, address: str) -> None:
+    if affinity is not None and affinity[0] == "solves":
+        replicas.solved(affinity[1], address)
 
 
 def _round_trip(replicas, address: str, spec: ModelSpec, method, args):
@@ -157,8 +178,10 @@ def _send(channel, replicas, address: str, spec: ModelSpec, method, args):
         ) from e
 
 
-def call_many(calls: Sequence[tuple[ModelSpec, str | None, tuple]]) -> list:
+def call_many(calls: Sequence[tuple]) -> list:
     """Make several calls ``[(spec, method, args), ...]`` at once; their results, in order.
+
+    A call may carry a fourth item, its ``affinity`` (see :func:`call`).
 
     Every request is written before any reply is read, and this thread waits once per
     reply.  A call that fails to reach its model, or raised with retries left, runs again
@@ -169,9 +192,10 @@ def call_many(calls: Sequence[tuple[ModelSpec, str | None, tuple]]) -> list:
     channel = get_channel()
     sent: list = []
     try:
-        for spec, method, args in calls:
+        for spec, method, args, *rest in calls:
+            affinity = rest[0] if rest else None
             replicas = replica_set(spec)
-            address = replicas.pick()
+            address = replicas.pick(_preferred(replicas, affinity))
             try:
                 conn = _send(channel, replicas, address, spec, method, args)
             except _LOST as e:
@@ -179,9 +203,9 @@ def call_many(calls: Sequence[tuple[ModelSpec, str | None, tuple]]) -> list:
             except BaseException:
                 done(address)
                 raise
-            sent.append((spec, replicas, method, args, address, conn))
+            sent.append((spec, replicas, method, args, address, conn, affinity))
     except BaseException:  # a call could not be sent: let the others end on their own
-        for *_, address, conn in sent:
+        for *_, address, conn, _ in sent:
             if isinstance(conn, BaseException):
                 done(address)
             else:
@@ -189,7 +213,7 @@ def call_many(calls: Sequence[tuple[ModelSpec, str | None, tuple]]) -> list:
         raise
     replies = []
     try:
-        for spec, replicas, method, args, address, conn in sent:
+        for spec, replicas, method, args, address, conn, _ in sent:
             reply = conn
             if not isinstance(conn, BaseException):
                 try:
@@ -201,7 +225,7 @@ def call_many(calls: Sequence[tuple[ModelSpec, str | None, tuple]]) -> list:
             done(address)
             replies.append(reply)
     except BaseException:  # interrupted (Ctrl-C): the calls not read end on their own
-        for i, (*_, address, conn) in enumerate(sent[len(replies) :]):
+        for i, (*_, address, conn, _) in enumerate(sent[len(replies) :]):
             if isinstance(conn, BaseException):
                 done(address)
             elif i == 0:  # the one being read: its connection is not reused
@@ -211,18 +235,19 @@ def call_many(calls: Sequence[tuple[ModelSpec, str | None, tuple]]) -> list:
                 drain(conn, functools.partial(done, address))
         raise
     results, error = [], None
-    for (spec, replicas, method, args, address, _), reply in zip(sent, replies):
+    for (spec, replicas, method, args, address, _, affinity), reply in zip(sent, replies):
         status = reply[0] if isinstance(reply, tuple) else None
         try:
             if status == "OK":
+                _remember(replicas, affinity, address)
                 results.append(reply[1])
             elif status == "error" and not spec.retries:
                 _raise_remote(reply[1])
             elif status == "error":
-                results.append(call(spec, method, args, spec.retries - 1))
+                results.append(call(spec, method, args, spec.retries - 1, affinity))
             else:  # the connection failed, or the replica is gone: as call() does
                 replicas.drop(address)
-                results.append(call(spec, method, args))
+                results.append(call(spec, method, args, affinity=affinity))
         except Exception as e:
             results.append(None)
             error = error or e

@@ -198,11 +198,47 @@ class RemoteModel:
         return LogpOp(self.method(method), itypes, name=self._op_name(method, name))
 
     def arrays_to_arrays_op(
-        self, method: str, itypes: Sequence, otypes: Sequence, *, name: str | None = None
+        self,
+        method: str,
+        itypes: Sequence,
+        otypes: Sequence,
+        *,
+        name: str | None = None,
+        vjp: str | None = None,
+        jvp: str | None = None,
     ):
-        """An :class:`~dasktensor.ArraysToArraysOp` calling ``model.<method>(*arrays)``."""
+        """An :class:`~dasktensor.ArraysToArraysOp` calling ``model.<method>(*arrays)``.
+
+        ``vjp="method_vjp"`` names the model's vector-Jacobian product,
+        ``model.method_vjp(*arrays, *cotangents) -> gradients`` (one cotangent per
+        output, one gradient per input), which makes the Op differentiable
+        (``pytensor.grad``, NUTS); ``jvp=`` likewise names its Jacobian-vector product,
+        for ``pytensor.gradient.Rop``.  Each is a call of its own on a replica: a model
+        whose vjp reuses the forward solution keeps it keyed by its inputs: the vjp's
+        call goes to the replica that answered the forward call at the same inputs
+        while it holds a replica, but that replica may have been lost meanwhile (see
+        the user guide's remote-models page).
+
+        Examples
+        --------
+        >>> import pytensor.tensor as pt
+        >>> import dasktensor as dt
+        >>> model = dt.RemoteModel(dict, name="ode")
+        >>> op = model.arrays_to_arrays_op(
+        ...     "solve", [pt.dvector], [pt.dmatrix], vjp="solve_vjp"
+        ... )
+        >>> op.fn, op.vjp, op.dasktensor_name
+        (ode.solve, ode.solve_vjp, 'ode-solve')
+        """
+        n = len(itypes)
+        derived = vjp is not None or jvp is not None
         return ArraysToArraysOp(
-            self.method(method), itypes, otypes, name=self._op_name(method, name)
+            RemoteMethod(self._spec, self._checked(method), solves=n if derived else 0),
+            itypes,
+            otypes,
+            name=self._op_name(method, name),
+            vjp=None if vjp is None else RemoteMethod(self._spec, self._checked(vjp), reuses=n),
+            jvp=None if jvp is None else RemoteMethod(self._spec, self._checked(jvp), reuses=n),
         )
 
     def method(self, method: str) -> RemoteMethod:
@@ -212,9 +248,12 @@ class RemoteModel:
         >>> dt.RemoteModel(dict, name="table").method("get")
         table.get
         """
+        return RemoteMethod(self._spec, self._checked(method))
+
+    def _checked(self, method: str) -> str:
         if not isinstance(method, str) or not method.isidentifier():
             raise TypeError(f"{self!r}: expected a method name, got {method!r}")
-        return RemoteMethod(self._spec, method)
+        return method
 
     def _op_name(self, method: str, name: str | None) -> str:
         return _label(name) if name is not None else f"{self.name}-{_label(method)}"

@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 
 from dasktensor import _config
 from dasktensor._placement import Placement
@@ -90,9 +91,25 @@ class ReplicaSet:
         self.interval = 0.0  # dasktensor.remote.refresh-interval, read at each look
         self.probe_after = self.probe_timeout = 1.0  # dasktensor.remote.probe-*, likewise
         self.refreshing = False
+        #: digest of a forward call's inputs -> the replica that answered it (the last
+        #: 256), for its vjp's call (see ``dasktensor.remote._calls.call``)
+        self.solutions: OrderedDict[bytes, str] = OrderedDict()
 
-    def pick(self) -> str:
-        """The worker the next call goes to, counted as busy until :func:`done`."""
+    def solved(self, key: bytes, address: str) -> None:
+        """The replica at ``address`` answered the forward call keyed ``key``."""
+        with self.lock:
+            self.solutions[key] = address
+            self.solutions.move_to_end(key)
+            while len(self.solutions) > 256:
+                self.solutions.popitem(last=False)
+
+    def solved_at(self, key: bytes) -> str | None:
+        """The replica that answered the forward call keyed ``key``, if remembered."""
+        return self.solutions.get(key)
+
+    def pick(self, prefer: str | None = None) -> str:
+        """The worker the next call goes to, counted as busy until :func:`done`;
+        ``prefer``, when it still holds a replica and is not suspected."""
         with self.lock:
             if not self.addresses:
                 self._ensure()
@@ -105,7 +122,10 @@ class ReplicaSet:
             home = home_replica(self.number, self.process_number, len(addresses))
         state = runtime.state(_Replicas)
         with state.inflight_lock:
-            address = addresses[choose_replica(addresses, home, state.inflight)]
+            if prefer is not None and prefer in addresses:
+                address = prefer
+            else:
+                address = addresses[choose_replica(addresses, home, state.inflight)]
             state.inflight[address] = state.inflight.get(address, 0) + 1
         return address
 

@@ -13,7 +13,10 @@ the method name.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+
+import numpy as np
 
 from dasktensor.ops import RemoteCallTarget
 from dasktensor.remote._calls import call, call_many
@@ -34,13 +37,32 @@ class RemoteMethod(RemoteCallTarget):
     (table.lookup, True, True)
     """
 
-    def __init__(self, spec: ModelSpec, method: str):
+    def __init__(self, spec: ModelSpec, method: str, *, solves: int = 0, reuses: int = 0):
         self.spec = spec
         self.method = method
         self.__name__ = method
+        #: the first ``solves`` arguments key a forward solution its vjp may reuse (the
+        #: replica that answered is remembered); the vjp's target ``reuses`` them (its
+        #: call goes to that replica while it is there)
+        self.solves = solves
+        self.reuses = reuses
+
+    def affinity(self, args: tuple) -> tuple | None:
+        """What this call's replica is chosen by, besides load (see
+        ``dasktensor.remote._calls.call``): None, or ``("solves" | "reuses", digest of
+        the leading arguments)``."""
+        n, role = (self.solves, "solves") if self.solves else (self.reuses, "reuses")
+        if not n:
+            return None
+        digest = hashlib.blake2b(digest_size=16)
+        for arg in args[:n]:
+            a = np.ascontiguousarray(arg)
+            digest.update(f"{a.dtype.str}{a.shape}".encode())
+            digest.update(a.tobytes())
+        return (role, digest.digest())
 
     def __call__(self, *args):
-        return call(self.spec, self.method, args)
+        return call(self.spec, self.method, args, affinity=self.affinity(args))
 
     @property
     def batchable(self) -> bool:
@@ -51,17 +73,18 @@ class RemoteMethod(RemoteCallTarget):
     @classmethod
     def call_together(cls, calls: Sequence[tuple[RemoteMethod, tuple]]) -> list:
         """All calls at once through the channel (see ``dasktensor.remote._calls``)."""
-        return call_many([(target.spec, target.method, args) for target, args in calls])
+        return call_many([(t.spec, t.method, args, t.affinity(args)) for t, args in calls])
 
     def __eq__(self, other) -> bool:
         return (
             isinstance(other, RemoteMethod)
             and other.spec == self.spec
             and other.method == self.method
+            and (other.solves, other.reuses) == (self.solves, self.reuses)
         )
 
     def __hash__(self) -> int:
-        return hash((self.spec.key, self.method))
+        return hash((self.spec.key, self.method, self.solves, self.reuses))
 
     def __repr__(self) -> str:
         return f"{self.spec.name}.{self.method}"
