@@ -125,3 +125,17 @@ class MLP:
         h = np.tanh(h @ self.w1)
         h = np.tanh(h @ self.w2)
         return h @ self.out
+
+
+class SlowCall:
+    """P18: a "50 ms model": ``work`` sleeps ``seconds`` and returns the process id of the
+    worker that answered (which of the workers served the call)."""
+
+    def __init__(self, seconds: float = 0.05):
+        self.seconds = float(seconds)
+
+    def work(self, x):
+        import os
+
+        time.sleep(self.seconds)
+        return os.getpid()

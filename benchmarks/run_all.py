@@ -35,6 +35,8 @@ BENCHMARKS = {
     "p14": "bench_p14_batching",
     "p15": "bench_p15_sample_batched",
     "p16": "bench_p16_chains_sharded",
+    "p18": "bench_p18_adaptive",
+    "p19": "bench_p19_monitor_cost",
 }
 
 

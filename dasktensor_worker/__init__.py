@@ -20,7 +20,12 @@ Modules:
 * :mod:`dasktensor_worker.plugin`: :class:`~dasktensor_worker.plugin.ModelHost`, the
   ``distributed.WorkerPlugin`` that holds a worker's replicas and runs their call server;
 * :mod:`dasktensor_worker.tasks`: the functions the caller ships to the cluster (the build
-  task, and the ``client.run`` / ``run_on_scheduler`` helpers).
+  task, and the ``client.run`` / ``run_on_scheduler`` helpers);
+* :mod:`dasktensor_worker.calllog`: each worker's log of the calls it answered;
+* :mod:`dasktensor_worker.monitor`: the scheduler's channel monitor, which gathers the
+  call logs for the dashboard page, the Prometheus metrics and ``dt.Adaptive``;
+* :mod:`dasktensor_worker.dashboard`: the dashboard's calls page (Bokeh; ``dask scheduler
+  --preload dasktensor_worker.dashboard``).
 
 Importing this package itself imports nothing heavy (not even ``distributed``);
 ``dasktensor_worker.ModelHost`` is loaded on first use.  A model's module may mark its

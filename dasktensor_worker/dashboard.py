@@ -57,10 +57,9 @@ OLD_PATH = "/dasktensor/calls"
 SPAN = 30.0
 ERROR = "#d62728"
 PALETTE = [c for c in Category10[10] if c != ERROR]
-#: a model's colour in the table, as a square
-SWATCH = HTMLTemplateFormatter(
-    template='<div style="background:<%= value %>;width:12px;height:12px;margin:5px 0"></div>'
-)
+#: a model's colour in the table, as a square (an HTMLTemplateFormatter's template; each
+#: page makes its own formatter: a Bokeh model belongs to one document)
+SWATCH = '<div style="background:<%= value %>;width:12px;height:12px;margin:5px 0"></div>'
 
 
 class CallsView:
@@ -136,7 +135,12 @@ class CallsView:
         self.table = DataTable(
             source=self.models,
             columns=[
-                TableColumn(field="colour", title="", width=16, formatter=SWATCH),
+                TableColumn(
+                    field="colour",
+                    title="",
+                    width=16,
+                    formatter=HTMLTemplateFormatter(template=SWATCH),
+                ),
                 TableColumn(field="model", title="model"),
                 TableColumn(field="calls", title="calls"),
                 TableColumn(field="errors", title="errors"),

@@ -408,7 +408,18 @@ async def look_at_calls_page(chromium: str, base: str, callers: Callers, failed_
 
             text = await until("a tooltip of a site-a call", tooltip, 10, interval=0.5)
             await page.evaluate(NEXT_FRAME_JS)
-            return seen, text, await page.screenshot()
+            png = await page.screenshot()
+            # a second tab (or a reload) while this one is open renders its own page
+            other = await page.context.browser.new_page()
+            await other.goto(base + plots["Individual Dasktensor Calls"])
+
+            async def counted_there():
+                there = await other.evaluate(CALLS_PAGE_JS)
+                rows = {r["model"]: r["calls"] for r in (there or {}).get("table", [])}
+                return rows if rows.get("site-b") == CALLS["site-b"] else None
+
+            await until("the calls in a second tab", counted_there, 30, 0.5)
+            return seen, text, png
         except BaseException:
             with contextlib.suppress(Exception):
                 failed_png.write_bytes(await page.screenshot(timeout=10_000))
