@@ -42,6 +42,8 @@ from dasktensor.ops import logp_op as logp_op
 from dasktensor.remote import ClusterSummary as ClusterSummary
 from dasktensor.remote import RemoteModel as RemoteModel
 from dasktensor.remote import RemoteModelError as RemoteModelError
+from dasktensor.remote import UMBridgeError as UMBridgeError
+from dasktensor.remote import umbridge_op as umbridge_op
 from dasktensor.remote import cluster_summary as cluster_summary
 from dasktensor.sampling import StoreMismatchError as StoreMismatchError
 from dasktensor.sampling import sample as sample
@@ -71,6 +73,7 @@ __all__ = [
     "RemoteModelError",
     "SchedulerLostError",
     "StoreMismatchError",
+    "UMBridgeError",
     "Task",
     "annotate",
     "arrays_to_arrays_op",
@@ -89,4 +92,5 @@ __all__ = [
     "pmap",
     "sample",
     "sample_posterior_predictive",
+    "umbridge_op",
 ]

@@ -400,3 +400,25 @@ def test_a_frozen_worker_loses_its_call_to_another_replica():
         assert model.workers() == [other]
         assert set(model.build_counts()) == {other}
         assert [w.address for w in dt.cluster_summary(client).workers if w.models] == [other]
+
+
+def test_an_idle_connection_is_never_handed_to_another_worker_at_the_same_endpoint():
+    """A call server that closed frees its port, and another worker's may bind it: a
+    connection kept for the first must not carry the second's calls (it would read the
+    closed server's EOF and take a live worker for a lost one)."""
+    import socket
+
+    from dasktensor.remote._channel import Channel
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        endpoint = ("127.0.0.1", listener.getsockname()[1], False)
+        channel = Channel()
+        first = channel.send("tcp://10.0.0.1:1", endpoint, None, ("ping",), 5)
+        channel.give_back(first)
+        other = channel.send("tcp://10.0.0.2:1", endpoint, None, ("ping",), 5)
+        assert other is not first
+        channel.give_back(other)
+        assert channel.send("tcp://10.0.0.1:1", endpoint, None, ("ping",), 5) is first
+        channel.forget("tcp://10.0.0.2:1")  # the other's idle connection closed, not first's
+        assert not any(channel.idle.values())
+        first.close()

@@ -317,7 +317,7 @@ class ArraysToArraysOp(_CallableOp):
     >>> cost = (simulate(x) ** 2).sum()
     >>> g = dt.function([x], pytensor.grad(cost, x))
     >>> g([1.0, 2.0, 3.0]).tolist()
-    [38.0, 36.0, 24.0]
+    [20.0, 18.0, 12.0]
     """
 
     __props__ = (*_CallableOp.__props__, "vjp", "jvp")

@@ -43,5 +43,15 @@ from dasktensor.remote._spec import RemoteModelError as RemoteModelError
 from dasktensor.remote._summary import ClusterSummary as ClusterSummary
 from dasktensor.remote._summary import cluster_summary as cluster_summary
 from dasktensor.remote._target import RemoteMethod as RemoteMethod
+from dasktensor.remote._umbridge import UMBridgeError as UMBridgeError
+from dasktensor.remote._umbridge import umbridge_op as umbridge_op
 
-__all__ = ["ClusterSummary", "RemoteMethod", "RemoteModel", "RemoteModelError", "cluster_summary"]
+__all__ = [
+    "ClusterSummary",
+    "RemoteMethod",
+    "RemoteModel",
+    "RemoteModelError",
+    "UMBridgeError",
+    "cluster_summary",
+    "umbridge_op",
+]

@@ -94,10 +94,14 @@ class Connection:
 
 
 class Channel(ProcessState):
-    """This process's idle connections, by worker endpoint, and TLS contexts by cluster."""
+    """This process's idle connections, by worker and endpoint, and TLS contexts by cluster.
+
+    Idle connections are kept by worker address *and* endpoint: a call server that
+    closed leaves its port free, and another worker's (or a restarted one's) may bind it;
+    a connection made for one worker is never handed to another at the same endpoint."""
 
     def __init__(self):
-        self.idle: dict[tuple, list[Connection]] = {}
+        self.idle: dict[tuple, list[Connection]] = {}  # (address, endpoint) -> connections
         self.contexts: dict = {}
         self.lock = threading.Lock()
 
@@ -110,7 +114,7 @@ class Channel(ProcessState):
         not pickle raises what pickling raised, before any connection is taken."""
         frames = wire.dumps(message)
         with self.lock:
-            idle = self.idle.get(endpoint)
+            idle = self.idle.get((address, endpoint))
             conn = idle.pop() if idle else None
         if conn is not None:
             try:
@@ -158,13 +162,13 @@ class Channel(ProcessState):
     def give_back(self, conn: Connection) -> None:
         """Keep a connection whose reply was read, for the next call."""
         with self.lock:
-            self.idle.setdefault(conn.endpoint, []).append(conn)
+            self.idle.setdefault((conn.address, conn.endpoint), []).append(conn)
 
     def forget(self, address: str) -> None:
         """Close the idle connections to a worker that failed."""
         with self.lock:
-            gone = [e for e, conns in self.idle.items() if conns and conns[0].address == address]
-            closing = [c for e in gone for c in self.idle.pop(e)]
+            gone = [key for key in self.idle if key[0] == address]
+            closing = [c for key in gone for c in self.idle.pop(key)]
         for conn in closing:
             conn.close()
 
