@@ -37,6 +37,7 @@ BENCHMARKS = {
     "p16": "bench_p16_chains_sharded",
     "p18": "bench_p18_adaptive",
     "p19": "bench_p19_monitor_cost",
+    "p20": "bench_p20_umbridge",
 }
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import threading
 import urllib.parse
 from collections.abc import Sequence
@@ -102,7 +101,7 @@ def post(url: str, route: str, body: dict | None, timeout: float | None, model=N
             reply = conn.getresponse()
             data = reply.read()
             break
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:  # (socket.timeout is TimeoutError)
             conn.close()
             raise TimeoutError(
                 f"UM-Bridge {'model ' + repr(model) if model else 'server'} at {url}: no reply "

@@ -1,0 +1,40 @@
+"""A UM-Bridge server for P20/P21 (``umbridge.serve_models``, UM-Bridge's own):
+``python benchmarks/_umbridge_server.py PORT``.
+
+``forward``: 2 inputs -> the 2-vector ``theta * 2`` after sleeping ``config["delay"]``
+seconds (0 by default), with its Gradient.  Up to 4 requests at once."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import umbridge
+
+
+class Forward(umbridge.Model):
+    def __init__(self):
+        super().__init__("forward")
+
+    def get_input_sizes(self, config):
+        return [2]
+
+    def get_output_sizes(self, config):
+        return [2]
+
+    def __call__(self, parameters, config):
+        time.sleep(float(config.get("delay", 0.0)))
+        return [[2.0 * v for v in parameters[0]]]
+
+    def gradient(self, out_wrt, in_wrt, parameters, sens, config):
+        return [2.0 * s for s in sens]
+
+    def supports_evaluate(self):
+        return True
+
+    def supports_gradient(self):
+        return True
+
+
+if __name__ == "__main__":
+    umbridge.serve_models([Forward()], int(sys.argv[1]), max_workers=4)
