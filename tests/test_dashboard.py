@@ -53,21 +53,25 @@ TASK_STREAM_JS = r"""
 })()
 """
 
-# Where a person would point the mouse to read a scale-heavy task's name: the centre of the
-# widest scale-heavy rectangle, in page coordinates, from the rendered glyph's screen
-# coordinates (sx, sy) and the canvas' position.
-RECTANGLE_JS = r"""
+
+def widest_bar_js(names: str, widths: str, marker: str, wanted: str) -> str:
+    """Where a person would point the mouse to read a bar: the centre of the widest bar
+    whose ``names`` column is ``wanted``, in page coordinates, from the rendered glyph's
+    screen coordinates (sx, sy) and the canvas' position.  The plot is the one whose
+    source has the columns ``names``, ``widths`` and ``marker``."""
+    return (
+        r"""
 (() => {
   for (const view of Bokeh.index.all_views()) {
     const source = view.model.data_source;
     if (view.glyph == null || source == null || source.data == null) continue;
     const data = source.data;
     const col = (c) => (data instanceof Map ? data.get(c) : data[c]);
-    const names = col("name"), durations = col("duration");
-    if (names == null || durations == null || col("worker_thread") == null) continue;
+    const names = col("NAMES"), widths = col("WIDTHS");
+    if (names == null || widths == null || col("MARKER") == null) continue;
     let best = -1;
     for (let i = 0; i < names.length; i++) {
-      if (names[i] === "scale-heavy" && (best < 0 || durations[i] > durations[best])) best = i;
+      if (names[i] === "WANTED" && (best < 0 || widths[i] > widths[best])) best = i;
     }
     if (best < 0 || view.glyph.sx == null || best >= view.glyph.sx.length) return null;
     const box = view.plot_view.canvas_view.el.getBoundingClientRect();
@@ -75,7 +79,15 @@ RECTANGLE_JS = r"""
   }
   return null;
 })()
-"""
+""".replace("NAMES", names)
+        .replace("WIDTHS", widths)
+        .replace("MARKER", marker)
+        .replace("WANTED", wanted)
+    )
+
+
+# a scale-heavy task of the task stream
+RECTANGLE_JS = widest_bar_js("name", "duration", "worker_thread", "scale-heavy")
 
 # The text a person sees: every text node of the rendered DOM, shadow roots included
 # (Bokeh renders its views, the hover tooltip among them, in shadow DOM).
@@ -307,27 +319,8 @@ CALLS_PAGE_JS = r"""
 })()
 """
 
-# Where a person would point the mouse to read a site-a call: the centre of its widest bar.
-CALL_BAR_JS = r"""
-(() => {
-  for (const view of Bokeh.index.all_views()) {
-    const source = view.model.data_source;
-    if (view.glyph == null || source == null || source.data == null) continue;
-    const data = source.data;
-    const col = (c) => (data instanceof Map ? data.get(c) : data[c]);
-    const models = col("model"), widths = col("width");
-    if (models == null || widths == null || col("method") == null) continue;
-    let best = -1;
-    for (let i = 0; i < models.length; i++) {
-      if (models[i] === "site-a" && (best < 0 || widths[i] > widths[best])) best = i;
-    }
-    if (best < 0 || view.glyph.sx == null || best >= view.glyph.sx.length) return null;
-    const box = view.plot_view.canvas_view.el.getBoundingClientRect();
-    return [box.left + view.glyph.sx[best], box.top + view.glyph.sy[best]];
-  }
-  return null;
-})()
-"""
+# a site-a call of the calls page
+CALL_BAR_JS = widest_bar_js("model", "width", "method", "site-a")
 
 CALLS = {"site-a": 120, "site-b": 80}  # back to back, one thread a model
 

@@ -18,8 +18,10 @@ import warnings
 
 import numpy as np
 
+import dasktensor.cli._bench as _bench  # noqa: PLR0402 (the package imports this module: no cycle)
+import dasktensor.cli._demo as _demo  # noqa: PLR0402
+import dasktensor.cli._info as _info  # noqa: PLR0402
 from dasktensor import _compat
-from dasktensor.cli import _bench, _demo, _info
 from dasktensor.cluster import calls_link, connect
 
 

@@ -234,20 +234,11 @@ class Gradient(_Target):
 
     def __call__(self, *args):
         inputs, cotangents = args[: self.n_inputs], args[self.n_inputs :]
-        grads = [np.zeros(np.size(x)) for x in inputs]
-        requests = [
-            (i, j) for i in range(self.n_inputs) for j in range(self.n_outputs)
-            if np.any(np.asarray(cotangents[j]))
-        ]  # fmt: skip
-
-        def one(pair):
-            i, j = pair
-            body = self._body(inputs, outWrt=j, inWrt=i, sens=_vectors([cotangents[j]])[0])
-            return i, np.asarray(self.servers.post("/Gradient", body)["output"], dtype=float)
-
-        for i, g in _at_once(one, requests):
-            grads[i] += g
-        return grads[0] if self.n_inputs == 1 else tuple(grads)
+        sums = _summed(
+            self, "/Gradient", "sens", inputs, cotangents, [np.size(x) for x in inputs],
+            by_input=False,
+        )  # fmt: skip
+        return sums[0] if self.n_inputs == 1 else tuple(sums)
 
 
 class ApplyJacobian(_Target):
@@ -262,20 +253,32 @@ class ApplyJacobian(_Target):
 
     def __call__(self, *args):
         inputs, tangents = args[: self.n_inputs], args[self.n_inputs :]
-        out = [np.zeros(n) for n in self.output_sizes]
-        requests = [
-            (i, j) for j in range(self.n_outputs) for i in range(self.n_inputs)
-            if np.any(np.asarray(tangents[i]))
-        ]  # fmt: skip
+        sums = _summed(
+            self, "/ApplyJacobian", "vec", inputs, tangents, self.output_sizes, by_input=True
+        )
+        return sums[0] if self.n_outputs == 1 else tuple(sums)
 
-        def one(pair):
-            i, j = pair
-            body = self._body(inputs, outWrt=j, inWrt=i, vec=_vectors([tangents[i]])[0])
-            return j, np.asarray(self.servers.post("/ApplyJacobian", body)["output"], dtype=float)
 
-        for j, t in _at_once(one, requests):
-            out[j] += t
-        return out[0] if self.n_outputs == 1 else tuple(out)
+def _summed(target, route, field, inputs, vectors, sizes, by_input: bool) -> list:
+    """The requests of ``route`` for every (input ``i``, output ``j``) pair whose vector
+    (``vectors[i]`` if ``by_input``, else ``vectors[j]``) is not zero, made at once, with
+    that vector as ``field``; their results summed into arrays of ``sizes``, indexed by
+    output (``by_input``: a jvp) or by input (a vjp)."""
+    out = [np.zeros(n) for n in sizes]
+    pairs = [
+        (i, j) for i in range(target.n_inputs) for j in range(target.n_outputs)
+        if np.any(np.asarray(vectors[i if by_input else j]))
+    ]  # fmt: skip
+
+    def one(pair):
+        i, j = pair
+        vec = _vectors([vectors[i if by_input else j]])[0]
+        body = target._body(inputs, outWrt=j, inWrt=i, **{field: vec})
+        return (j if by_input else i), np.asarray(target.servers.post(route, body)["output"])
+
+    for k, value in _at_once(one, pairs):
+        out[k] += value
+    return out
 
 
 def _at_once(fn, items: list) -> list:
