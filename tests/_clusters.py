@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
+from dasktensor.cluster import scheduler_workers
+
 
 def local_cluster(**kwargs):
     """A LocalCluster on 127.0.0.1: 2 worker processes (with nannies) of 1 thread each, and
@@ -37,7 +39,7 @@ def mixed_spec_cluster():
 def gpu_worker_address(client) -> str:
     """The address of the worker that offers resources."""
     (address,) = [
-        a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if w["resources"]
+        a for a, w in scheduler_workers(client).items() if w["resources"]
     ]
     return address
 

@@ -10,6 +10,7 @@ from _clusters import channel_calls, local_cluster
 from _ops import Scale
 
 import dasktensor as dt
+from dasktensor.cluster import scheduler_workers
 
 
 def listening_addresses(pid: int) -> set[str]:
@@ -40,7 +41,7 @@ def test_embedded_cluster_becomes_the_default_client():
     client = dt.connect(n_workers=1, dashboard_address=False)
     try:
         assert client.scheduler.address.startswith("tcp://127.0.0.1:")
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = scheduler_workers(client)
         assert workers and all(a.startswith("tcp://127.0.0.1:") for a in workers)
         x = pt.vector("x")
         f = dt.function([x], Scale(2.0)(x).sum())  # no scheduler given: the default client
@@ -117,6 +118,20 @@ def test_the_call_servers_of_a_tls_cluster_speak_tls_only(tls_cluster):
         model.close()
 
 
+def test_the_workers_are_asked_afresh_not_read_from_the_clients_cache():
+    """The client refreshes its cached identity on a timer, asking for no workers; a look
+    at the workers taken from that cache found none now and then (a 'cluster without
+    workers' on a loaded machine).  With the timer at 2 ms the race comes often."""
+    from distributed import Client
+
+    with dask.config.set({"distributed.client.scheduler-info-interval": "2ms"}):
+        with local_cluster() as cluster, Client(cluster) as client:
+            seen = [sorted(scheduler_workers(client)) for _ in range(300)]
+            workers = sorted(cluster.scheduler.workers)
+    assert len(workers) == 2
+    assert all(s == workers for s in seen), [s for s in seen if s != workers][:3]
+
+
 @pytest.mark.timeout(60)  # a hang instead of the error fails here
 def test_unreachable_scheduler_fails_within_the_timeout_with_advice():
     with pytest.raises(ConnectionError, match="dask scheduler") as info:
@@ -157,7 +172,7 @@ def test_tls_cluster_runs_functions_for_a_client_with_its_certificates(tls_clust
     address = cluster.scheduler_address
     assert address.startswith("tls://127.0.0.1:")
     with dt.connect(address, security=security, set_as_default=False) as c:
-        workers = c.scheduler_info(n_workers=-1)["workers"]
+        workers = scheduler_workers(c)
         assert workers and all(a.startswith("tls://127.0.0.1:") for a in workers)
         assert scale_twice_sum(c) == 6.0
 
@@ -228,7 +243,7 @@ def test_embedded_tls_cluster_on_loopback_runs_functions_and_refuses_plain_clien
     try:
         address = client.scheduler.address
         assert address.startswith("tls://127.0.0.1:")
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = scheduler_workers(client)
         assert workers and all(a.startswith("tls://127.0.0.1:") for a in workers)
         assert listening_addresses(os.getpid()) <= {"127.0.0.1"}
         assert scale_twice_sum(client) == 6.0
@@ -245,5 +260,5 @@ def test_embedded_cluster_settings_accept_underscores_as_environment_variables_g
 
     with dask.config.set({"dasktensor.cluster.n_workers": 1}):
         with dt.connect(dashboard_address=False, set_as_default=False) as c:
-            assert len(c.scheduler_info(n_workers=-1)["workers"]) == 1
+            assert len(scheduler_workers(c)) == 1
             c.shutdown()

@@ -25,6 +25,7 @@ from _browser import browser_page, chromium_or_skip
 from dask.utils import key_split
 
 import dasktensor as dt
+from dasktensor.cluster import scheduler_workers
 from dasktensor._display import COLOURS, plan_html
 from dasktensor.engine._plan import Plan
 
@@ -224,7 +225,7 @@ def model_rows(html: str) -> dict[str, tuple[str, list[str]]]:
 def test_remote_model_html_lists_the_workers_holding_replicas(client):
     import functools
 
-    workers = {a: str(w["name"]) for a, w in client.scheduler_info()["workers"].items()}
+    workers = {a: str(w["name"]) for a, w in scheduler_workers(client).items()}
     model = dt.RemoteModel(
         functools.partial(Scaled, 2.0), name="scaled", replicas=1, retries=1, scheduler=client
     )

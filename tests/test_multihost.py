@@ -28,6 +28,7 @@ from _sample_models import PICKLED, RUN, assert_same_draws, hierarchical, regres
 
 import dasktensor as dt
 from dasktensor.cli import _demo
+from dasktensor.cluster import scheduler_workers
 
 WHY = unavailable()
 pytestmark = [
@@ -81,7 +82,7 @@ def sharded_regression(client):
 
 
 def test_the_workers_are_on_their_own_hosts(hosts, client):
-    workers = sorted(host_of(a) for a in client.scheduler_info()["workers"])
+    workers = sorted(host_of(a) for a in scheduler_workers(client))
     assert workers == hosts.addresses[1:]
     assert host_of(hosts.address) == hosts.addresses[0]
 
@@ -134,7 +135,7 @@ def test_remote_model_calls_reach_both_hosts(client):
     x, mu = pt.dvector("x"), pt.dscalar("mu")
     f = pytensor.function([x, mu], op(x, mu)[0])
     assert float(f(np.ones(3), 0.0)) == -1.5
-    workers = client.scheduler_info()["workers"]
+    workers = scheduler_workers(client)
     assert sorted(model.workers()) == sorted(workers)
     pids: list = []
     threads = [  # calls at once spread over both replicas
@@ -214,7 +215,7 @@ def test_tls_between_hosts(tmp_path):
                             tls_client_key=files["cert"], require_encryption=True)  # fmt: skip
         with Client(address, security=security, timeout=60, set_as_default=False) as client:
             client.wait_for_workers(1, timeout=120)
-            (worker,) = client.scheduler_info()["workers"]
+            (worker,) = scheduler_workers(client)
             assert worker.startswith("tls://") and host_of(worker) == hosts.addresses[1]
             model = dt.RemoteModel(Probe, name="probe", scheduler=client)
             pid, _ = model.call("where", 0.0)
@@ -239,7 +240,7 @@ def test_a_cut_link_moves_the_remote_calls_and_the_draws_stay_the_same():
         address = start_cluster(hosts)
         with Client(address, timeout=60, set_as_default=False) as client:
             client.wait_for_workers(2, timeout=120)
-            (cut,) = [a for a in client.scheduler_info()["workers"]
+            (cut,) = [a for a in scheduler_workers(client)
                       if host_of(a) == hosts.addresses[1]]  # fmt: skip
             models = _demo.remote_sites(2, 0.01, seed=3, scheduler=client)
             for m in models:
@@ -290,7 +291,7 @@ def test_lost_packets_delay_results_but_never_change_them(hosts, client):
     """5 % of a worker host's packets dropped, both ways (TCP resends them): remote-model
     calls (to a replica on that host first) and a sharded log-density give exactly what
     they give without loss."""
-    (lossy,) = [a for a in client.scheduler_info()["workers"]
+    (lossy,) = [a for a in scheduler_workers(client)
                 if host_of(a) == hosts.addresses[1]]  # fmt: skip
     model = dt.RemoteModel(Probe, name="lossy", replicas=1, workers=[lossy], scheduler=client)
     assert model.start() == [lossy]

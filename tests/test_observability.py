@@ -22,6 +22,7 @@ from _clusters import eventually, local_cluster
 from _models import Doubler, Probe
 
 import dasktensor as dt
+from dasktensor.cluster import scheduler_workers
 
 
 def monitor_says(client, what: str, *args):
@@ -70,7 +71,7 @@ def test_the_metrics_count_the_calls_errors_durations_replicas_and_batches():
 
         m = eventually(counted, 10)
         assert m, "the metrics did not count 39 calls"
-        workers = set(c.scheduler_info()["workers"])
+        workers = set(scheduler_workers(c))
 
         def total(name, **labels):
             return sum(
@@ -114,7 +115,7 @@ def test_scale_down_keeps_workers_with_calls_in_flight_and_a_models_last_replica
             return [a for a, n in busy.items() if n]
 
         (busy,) = eventually(busy_worker, 10)
-        assert set(pids) == set(c.scheduler_info()["workers"])
+        assert set(pids) == set(scheduler_workers(c))
         # Dask's own choice (any Adaptive, cluster.scale down): the idle worker only
         assert c.run_on_scheduler(lambda dask_scheduler: dask_scheduler.workers_to_close(n=2)) == [
             a for a in pids if a != busy
@@ -155,14 +156,14 @@ def test_adapt_scales_up_on_calls_alone_and_down_with_calls_going_on_none_failin
             t.start()
         try:
             t0 = time.monotonic()
-            up = eventually(lambda: len(c.scheduler_info()["workers"]) == 3, 60)
+            up = eventually(lambda: len(scheduler_workers(c)) == 3, 60)
             assert up, f"adapt did not scale to 3 workers in 60 s ({adaptive.log})"
             # the new workers serve calls (replicas built on them at a refresh)
             served = eventually(lambda: len({p for t, p in answered if t > t0}) >= 3, 30)
             assert served, "the calls did not reach the new workers"
             for i in range(1, callers):  # one caller goes on while the cluster shrinks
                 stop[i].set()
-            down = eventually(lambda: len(c.scheduler_info()["workers"]) == 1, 90)
+            down = eventually(lambda: len(scheduler_workers(c)) == 1, 90)
             assert down, f"adapt did not come back to 1 worker in 90 s ({adaptive.log})"
             before = len(answered)
             assert eventually(lambda: len(answered) > before + 5, 10)  # still answered

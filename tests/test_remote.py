@@ -25,6 +25,7 @@ from _models import Probe, broken_factory, record_then_sleep
 from pytensor.gradient import verify_grad
 
 import dasktensor as dt
+from dasktensor.cluster import scheduler_workers
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def test_eight_concurrent_tasks_spread_over_four_workers(default_client, path):
             for w, calls in after.items()
             if calls.get("scale-heavy", 0) > before.get(w, {}).get("scale-heavy", 0)
         }
-    assert workers == set(default_client.scheduler_info()["workers"])
+    assert workers == set(scheduler_workers(default_client))
 
 
 def test_replicas_limits_the_workers_that_hold_the_model(default_client, tmp_path):

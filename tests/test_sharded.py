@@ -32,6 +32,7 @@ from _shard_models import (
 from distributed import Client, LocalCluster
 
 import dasktensor as dt
+from dasktensor.cluster import scheduler_workers
 from dasktensor.sharding._executor import ShardServer
 from dasktensor.sharding._policy import check_shards
 
@@ -301,7 +302,7 @@ def test_one_worker_is_not_sharded():
 
 
 def test_remote_model_prefers_its_workers(client):
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(scheduler_workers(client))
     for target in workers:
         model = dt.RemoteModel(dict, name="pinned", replicas=1, workers=[target], scheduler=client)
         try:

@@ -17,7 +17,7 @@ import warnings
 import dask
 from dask.utils import format_bytes
 
-from dasktensor.cluster import calls_link, configured_address, connect
+from dasktensor.cluster import calls_link, configured_address, connect, scheduler_workers
 
 #: packages whose versions ``dasktensor info`` compares (``python`` is the interpreter)
 VERSION_PACKAGES = ("dasktensor", "dask", "distributed", "pytensor", "pymc", "numpy", "python")
@@ -105,8 +105,8 @@ def cluster_report(client) -> str:
     str
         The report, several lines.
     """
-    info = client.scheduler_info(n_workers=-1)
-    workers = info["workers"]
+    info = client.scheduler_info(n_workers=0)
+    workers = scheduler_workers(client)
     services = info.get("services", {})
     if "dashboard" in services:
         dashboard = client.dashboard_link

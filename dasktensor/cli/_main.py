@@ -22,7 +22,7 @@ import dasktensor.cli._bench as _bench  # noqa: PLR0402 (the package imports thi
 import dasktensor.cli._demo as _demo  # noqa: PLR0402
 import dasktensor.cli._info as _info  # noqa: PLR0402
 from dasktensor import _compat
-from dasktensor.cluster import calls_link, connect
+from dasktensor.cluster import calls_link, connect, scheduler_workers
 
 
 def _run_demo(args) -> int:
@@ -45,7 +45,7 @@ def _run_demo(args) -> int:
 
         print(f"Dashboard: {client.dashboard_link}")
         print(f"Remote calls (not in the task stream): {calls_link(client)}")
-        n_workers = len(client.scheduler_info()["workers"])
+        n_workers = len(scheduler_workers(client))
         t0 = time.perf_counter()
         models = _demo.remote_sites(args.models, args.delay, seed=args.seed)
         for m in models:

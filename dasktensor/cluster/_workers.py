@@ -17,11 +17,19 @@ from dasktensor.cluster._errors import NoWorkerWithResourcesError
 
 
 def scheduler_workers(client) -> dict[str, dict]:
-    """The scheduler's view of its workers: ``{address: info}`` (resources, threads...)."""
+    """The scheduler's view of its workers: ``{address: info}`` (resources, threads...),
+    asked afresh.
+
+    Not ``client.scheduler_info()``: that returns the client's cached identity, which the
+    client's own periodic refresh (every 2 s, asking for no workers) may replace between
+    the fresh answer and its return, and which it keeps when the scheduler does not answer
+    (an ``OSError``, logged at debug level).  Either way a cluster with workers looked
+    like one without (seen on a loaded 2-core machine: "the cluster has none").
+    """
     try:
-        info = client.scheduler_info(n_workers=-1)
-    except TypeError:  # distributed before n_workers=
-        info = client.scheduler_info()
+        info = client.sync(client.scheduler.identity, n_workers=-1)
+    except TypeError:  # a scheduler before identity(n_workers=) lists every worker
+        info = client.sync(client.scheduler.identity)
     return dict(info.get("workers", {}))
 
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dasktensor import _config
-from dasktensor.cluster import carrying
+from dasktensor.cluster import carrying, scheduler_workers
 from dasktensor.sampling._segments import Start, StepMethod, aligned, forget, has_run, run_segment
 
 #: draws of a chain's first segment when its size follows time (it measures the rate)
@@ -231,7 +231,7 @@ class ChainRunner:
                   "running it again elsewhere", run.index)  # fmt: skip
         self.client.cancel([future])
         if not twins:
-            others = [a for a in self.client.scheduler_info()["workers"] if a not in holders]
+            others = [a for a in scheduler_workers(self.client) if a not in holders]
             submit(run, last, workers=others or None)
 
     def _twin_silent(self, pending: dict, silent: float, submit) -> None:
@@ -239,7 +239,7 @@ class ChainRunner:
         for ``silent`` seconds (cut off the network, or frozen): Dask would wait for
         ``worker-ttl`` (5 min) before it gives up on them.  A segment's draws follow
         from its start, so whichever copy ends first gives the same draws."""
-        workers = self.client.scheduler_info()["workers"]
+        workers = scheduler_workers(self.client)
         freshest = max((w["last_seen"] for w in workers.values()), default=0.0)
         quiet = [a for a, w in workers.items() if freshest - w["last_seen"] > silent]
         others = [a for a in workers if a not in quiet]
@@ -281,7 +281,7 @@ class ChainRunner:
             if "error" in ended:
                 raise ended["error"]
             return
-        workers = self.client.scheduler_info()["workers"]
+        workers = scheduler_workers(self.client)
         freshest = max((w["last_seen"] for w in workers.values()), default=0.0)
         silent = _config.seconds("sample.silent-worker")
         heard = [a for a, w in workers.items() if freshest - w["last_seen"] <= silent]
