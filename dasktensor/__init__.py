@@ -43,6 +43,7 @@ from dasktensor.remote import ClusterSummary as ClusterSummary
 from dasktensor.remote import RemoteModel as RemoteModel
 from dasktensor.remote import RemoteModelError as RemoteModelError
 from dasktensor.remote import UMBridgeError as UMBridgeError
+from dasktensor.remote import serve_umbridge as serve_umbridge
 from dasktensor.remote import umbridge_op as umbridge_op
 from dasktensor.remote import cluster_summary as cluster_summary
 from dasktensor.sampling import StoreMismatchError as StoreMismatchError
@@ -92,5 +93,6 @@ __all__ = [
     "pmap",
     "sample",
     "sample_posterior_predictive",
+    "serve_umbridge",
     "umbridge_op",
 ]

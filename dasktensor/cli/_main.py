@@ -21,6 +21,7 @@ import numpy as np
 import dasktensor.cli._bench as _bench  # noqa: PLR0402 (the package imports this module: no cycle)
 import dasktensor.cli._demo as _demo  # noqa: PLR0402
 import dasktensor.cli._info as _info  # noqa: PLR0402
+import dasktensor.cli._serve as _serve  # noqa: PLR0402
 from dasktensor import _compat
 from dasktensor.cluster import calls_link, connect, scheduler_workers
 
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         "--list", action="store_true", help="list the benchmarks with one line each and exit"
     )
     bench.set_defaults(run=_bench.run)
+
+    _serve.add_parser(sub)
 
     args = parser.parse_args(argv)
     return args.run(args)

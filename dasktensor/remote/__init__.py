@@ -24,6 +24,9 @@ The caller's side, by concern (each module's docstring argues its part):
   :func:`~dasktensor.remote._calls.call_many` for calls sent together;
 * :mod:`~dasktensor.remote._target`: :class:`RemoteMethod`, a model's method as the
   function of a callable Op (a ``dasktensor.ops._callable.RemoteCallTarget``);
+* :mod:`~dasktensor.remote._umbridge` and :mod:`~dasktensor.remote._umbridge_server`:
+  UM-Bridge models as Ops (``dt.umbridge_op``), and remote models served to UM-Bridge
+  clients (``dt.serve_umbridge``);
 * :mod:`~dasktensor.remote._summary`: what the workers hold and answered
   (``dt.cluster_summary``, and a ``RemoteModel``'s view in Jupyter).
 
@@ -45,6 +48,8 @@ from dasktensor.remote._summary import cluster_summary as cluster_summary
 from dasktensor.remote._target import RemoteMethod as RemoteMethod
 from dasktensor.remote._umbridge import UMBridgeError as UMBridgeError
 from dasktensor.remote._umbridge import umbridge_op as umbridge_op
+from dasktensor.remote._umbridge_server import UMBridgeServer as UMBridgeServer
+from dasktensor.remote._umbridge_server import serve_umbridge as serve_umbridge
 
 __all__ = [
     "ClusterSummary",
@@ -52,6 +57,8 @@ __all__ = [
     "RemoteModel",
     "RemoteModelError",
     "UMBridgeError",
+    "UMBridgeServer",
     "cluster_summary",
+    "serve_umbridge",
     "umbridge_op",
 ]
