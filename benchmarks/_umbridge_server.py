@@ -1,8 +1,10 @@
-"""A UM-Bridge server for P20/P21 (``umbridge.serve_models``, UM-Bridge's own):
-``python benchmarks/_umbridge_server.py PORT``.
+"""A UM-Bridge server for P20-P22 (``umbridge.serve_models``, UM-Bridge's own):
+``python benchmarks/_umbridge_server.py PORT [MAX_WORKERS]``.
 
 ``forward``: 2 inputs -> the 2-vector ``theta * 2`` after sleeping ``config["delay"]``
-seconds (0 by default), with its Gradient.  Up to 4 requests at once."""
+seconds (0 by default), with its Gradient.  Up to ``MAX_WORKERS`` requests at once (4 by
+default; ``serve_models``'s own default is 1).  P22 also builds ``Forward`` on the
+workers of a cluster, as ``dt.serve_umbridge``'s model."""
 
 from __future__ import annotations
 
@@ -37,4 +39,5 @@ class Forward(umbridge.Model):
 
 
 if __name__ == "__main__":
-    umbridge.serve_models([Forward()], int(sys.argv[1]), max_workers=4)
+    max_workers = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    umbridge.serve_models([Forward()], int(sys.argv[1]), max_workers=max_workers)

@@ -40,12 +40,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def servers(n: int):
+def servers(n: int, max_workers: int = 4):
     """``n`` UM-Bridge servers of ``_umbridge_server.py``: their urls."""
     ports = [free_port() for _ in range(n)]
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "_umbridge_server.py"), str(p)],
+            [sys.executable, os.path.join(HERE, "_umbridge_server.py"), str(p), str(max_workers)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -29,7 +29,7 @@ from collections.abc import Callable
 def build_replica(
     key: str,
     name: str,
-    factory: Callable,
+    factory: Callable | bytes,
     concurrency: int,
     lease: str | None = None,
     scalable: bool = True,
@@ -46,8 +46,29 @@ def build_replica(
     from dasktensor_worker.plugin import ensure_host
 
     worker = get_worker()
+    if isinstance(factory, bytes):  # cloudpickle's bytes (see remote._replicas.shipped_factory)
+        import pickle
+
+        factory = pickle.loads(factory)
     built = ensure_host(worker).build(key, name, factory, concurrency, lease, scalable)
     return worker.address, built
+
+
+def missing_modules(modules: list[str]) -> list[str]:
+    """``client.run``: those of ``modules`` this worker cannot import (checked before a
+    model's factory is sent: a worker that cannot load a task's function drops its
+    connection to the scheduler, and does not come back)."""
+    import importlib.util
+
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
 
 
 def hold_resources(key: str) -> bool:

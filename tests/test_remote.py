@@ -264,6 +264,31 @@ def test_an_interrupted_call_is_not_counted_as_running_nor_its_connection_reused
     model.close()
 
 
+def test_a_factory_the_workers_cannot_load_fails_clearly_and_loses_nothing(tmp_path):
+    """A factory from a module only the caller has: a worker that cannot load a task's
+    function drops its scheduler connection for good (distributed 2026.8), so the build
+    is not sent; the error names the module and what to do, and the cluster serves on."""
+    import importlib
+
+    from distributed import Client
+
+    module = f"only_here_{os.getpid()}"
+    (tmp_path / f"{module}.py").write_text("class Thing:\n    def where(self):\n        return 1\n")
+    with local_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
+        sys.path.insert(0, str(tmp_path))  # here, after the worker started: not there
+        try:
+            thing = importlib.import_module(module).Thing
+        finally:
+            sys.path.remove(str(tmp_path))
+        model = dt.RemoteModel(thing, name="only-here", scheduler=client)
+        with pytest.raises(dt.RemoteModelError, match=rf"cannot import \['{module}'\].*register_pickle_by_value"):
+            model.call("where")
+        fine = dt.RemoteModel(Probe, name="probe", scheduler=client)
+        assert fine.call("where", 0.0)[0] in client.run(os.getpid).values()
+        fine.close()
+        model.close()
+
+
 def test_no_worker_with_the_resource_fails_clearly(default_client):
     model = dt.RemoteModel(Probe, name="gpu-model", resources={"GPU": 1})
     with dask.config.set({"dasktensor.placement.resource-timeout": "0.5s"}):

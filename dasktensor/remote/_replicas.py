@@ -86,6 +86,10 @@ class ReplicaSet:
         self.number = 0  # the model's number on the cluster (see _number)
         self.process_number = 0  # this process's, likewise
         self.leased: set[str] = set()  # workers where this process's lease keeps a shared model
+        #: what build tasks carry for the factory, and the modules a worker must import
+        #: to load it (see shipped_factory and check_loadable)
+        self.factory = spec.factory
+        self.modules: list[str] | None = None
         self.security = None  # the client's distributed.Security (TLS clusters)
         self.checked = 0.0  # time.monotonic() of the last look at the cluster
         self.interval = 0.0  # dasktensor.remote.refresh-interval, read at each look
@@ -252,6 +256,9 @@ class ReplicaSet:
         if len(holders) < wanted:
             free = [a for a in eligible if a not in holders]
             targets = _in_order(spec, free, workers)[: wanted - len(holders)]
+            if self.modules is None:
+                self.factory, self.modules = shipped_factory(spec.factory)
+            check_loadable(client, spec, self.modules, targets)
             # Placed on the chosen worker only; with no resources when the replica holds
             # them (see hold_resources): a build asking for them would wait behind the
             # holder of a replica another process built there meanwhile.
@@ -263,7 +270,7 @@ class ReplicaSet:
                         tasks.build_replica,
                         spec.key,
                         spec.name,
-                        spec.factory,
+                        self.factory,
                         spec.concurrency,
                         lease_of(spec, client),
                         spec.replicas is None,  # scalable: a replica on each worker
@@ -280,6 +287,11 @@ class ReplicaSet:
                 hold_resources(spec, client, [a for a, new in built if new])
             self.leased.update(a for a, new in built if new)  # (built with the lease)
             held.update(_endpoints(client, spec.key, [a for a, _ in built if a not in held]))
+            if not held:
+                raise RemoteModelError(
+                    f"{spec!r}: expected replicas on {targets}, none was built: the workers "
+                    "left while building it (see their logs)"
+                )
         if spec.shared:  # replicas another process built: this process's lease keeps them too
             found = [a for a in held if a not in self.leased]
             share(spec, client, found)
@@ -303,6 +315,76 @@ def _gather_builds(client, futures: dict) -> list[tuple[str, bool]]:
             for gone in [a for a in pending if a not in alive]:
                 pending.pop(gone).cancel()
     return results
+
+
+def shipped_factory(factory) -> tuple[object, list[str]]:
+    """What a build task carries for ``factory``, and the modules a worker must import to
+    load it.
+
+    Dask pickles a task's arguments with ``pickle`` first, so a factory from a module
+    registered with ``cloudpickle.register_pickle_by_value`` (a script beside the
+    caller, absent on the workers) would still travel by reference; such a factory
+    travels as cloudpickle's bytes instead (``build_replica`` loads them).  Large buffers
+    stay out of band while the references are read (no copy).
+
+    >>> import collections
+    >>> shipped_factory(collections.OrderedDict)
+    (<class 'collections.OrderedDict'>, ['collections'])
+    """
+    import cloudpickle
+    from distributed.protocol import pickle as dask_pickle
+
+    # inside a task's arguments, as Dask pickles them (alone, a factory of a module
+    # registered by value would be pickled with cloudpickle by Dask too)
+    modules = _modules_in(lambda **kw: dask_pickle.dumps([factory], **kw))
+    if set(modules) & set(cloudpickle.list_registry_pickle_by_value()):
+        payload = cloudpickle.dumps(factory)
+        return payload, _modules_in(lambda **kw: cloudpickle.dumps(factory, **kw))
+    return factory, modules
+
+
+def _modules_in(dumps) -> list[str]:
+    """The modules the pickle ``dumps(protocol=, buffer_callback=)`` makes refers to."""
+    import io
+    import pickle
+
+    buffers: list = []
+    try:
+        data = dumps(protocol=5, buffer_callback=buffers.append)
+    except Exception:  # it does not pickle: Dask's own error will say so
+        return []
+    found: dict[str, None] = {}
+
+    class _Reader(pickle.Unpickler):
+        def find_class(self, module, name):
+            found[module] = None
+            return super().find_class(module, name)
+
+    try:
+        _Reader(io.BytesIO(data), buffers=buffers).load()
+    except Exception:  # loads only on the workers (their own error will say why)
+        pass
+    return sorted(found)
+
+
+def check_loadable(client, spec: ModelSpec, modules: list[str], workers: list[str]) -> None:
+    """Raise :class:`RemoteModelError` if some of ``workers`` cannot import one of
+    ``modules`` (those of :func:`shipped_factory`): sent anyway, its build task
+    would cut those workers off the scheduler for good (``distributed`` drops a worker's
+    scheduler connection when the worker cannot load a task's function, and the worker
+    does not come back)."""
+    if not modules:
+        return
+    found = client.run(tasks.missing_modules, modules, workers=workers, on_error="return")
+    missing = {a: m for a, m in found.items() if isinstance(m, list) and m}
+    if missing:
+        names = sorted({n for m in missing.values() for n in m})
+        raise RemoteModelError(
+            f"{spec!r}: expected the workers to import what its factory refers to; "
+            f"{sorted(missing)} cannot import {names}. Install it there, "
+            "client.upload_file(path), or cloudpickle.register_pickle_by_value(module) "
+            "before making the model (a module of this process only: a script beside it)"
+        )
 
 
 def _endpoints(client, key: str, among: list[str]) -> dict[str, tuple]:

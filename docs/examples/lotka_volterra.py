@@ -59,12 +59,16 @@ def simulate(theta) -> tuple[np.ndarray, np.ndarray]:
     theta = np.asarray(theta, dtype=float)
     u, s = U0.copy(), np.zeros((2, 4))
     path, sens = [u], [s]
-    for _ in TIMES[1:]:
-        for _ in range(SUBSTEPS):
-            u, s = _step(u, s, theta)
-        path.append(u)
-        sens.append(s)
-    return np.concatenate(path), np.concatenate(sens)
+    with np.errstate(over="ignore", invalid="ignore"):  # far from the data, it blows up
+        for _ in TIMES[1:]:
+            for _ in range(SUBSTEPS):
+                u, s = _step(u, s, theta)
+            path.append(u)
+            sens.append(s)
+    path = np.concatenate(path)
+    if not np.isfinite(path).all():  # blown up: infinite (the likelihood is then -inf, and
+        path[:] = np.inf  # NUTS counts a divergence), as lotka_volterra_pt says too
+    return path, np.concatenate(sens)
 
 
 class LotkaVolterra(umbridge.Model):
@@ -135,7 +139,8 @@ def lotka_volterra_pt(theta):
     u0 = pt.as_tensor_variable(U0)
     path = pytensor.scan(interval, outputs_info=[u0], non_sequences=[theta],
                          n_steps=len(TIMES) - 1, return_updates=False)  # fmt: skip
-    return pt.concatenate([u0[None, :], path]).ravel()
+    path = pt.concatenate([u0[None, :], path]).ravel()
+    return pt.switch(pt.all(pt.isfinite(path)), path, np.inf)
 
 
 def observed(seed: int = 42, sigma: float = 1.0) -> np.ndarray:
@@ -151,7 +156,7 @@ def pymc_model(solve=None, data: np.ndarray | None = None):
 
     data = observed() if data is None else data
     with pm.Model() as model:
-        theta = pm.LogNormal("theta", mu=np.log(TRUE), sigma=0.3, shape=4)
+        theta = pm.LogNormal("theta", mu=np.log(TRUE), sigma=0.1, shape=4)
         sigma = pm.HalfNormal("sigma", 2.0)
         path = solve(theta) if solve is not None else lotka_volterra_pt(theta)
         pm.Normal("populations", mu=path, sigma=sigma, observed=data)
