@@ -4,8 +4,9 @@
   processes; 4 UM-Bridge clients (``umbridge.HTTPModel``, a thread each) call it back to
   back.  Throughput (requests/s) against one plain ``umbridge.serve_models`` server of the
   same model (its defaults: one request at a time, as for a model that is not
-  thread-safe or holds the GIL): target >= 3.5.  The ceiling, measured in the same run:
-  4 threads sleeping 50 ms back to back in this process (80 requests/s at best).
+  thread-safe or holds the GIL): target >= 3.5.  The clients are processes of their own
+  (a pool), as UQ codes calling a server are.  The ceiling, measured in the same run:
+  the same 4 client processes sleeping 50 ms back to back (80 requests/s at best).
   The variants' blocks alternate (``_common.blocks``); medians over blocks.
 * **P23**: NUTS on the worked ODE example (``docs/examples/lotka_volterra.py``,
   Lotka-Volterra), 2 chains x (300 tune + 300 draws), through a remote model with a vjp
@@ -22,11 +23,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Row, blocks, local_cluster, load_row, print_rows, quiet, versions_line
+from _common import Row, blocks, load_row, local_cluster, print_rows, quiet, versions_line
 from bench_p20_umbridge import DELAY, servers
 
 NAME = "p22-serve-umbridge"
@@ -35,61 +35,67 @@ CLIENTS = 4
 CALLS = 5  # requests per client per block
 
 
-def p22(client) -> list[Row]:
+def _client_calls(url: str | None) -> None:
+    """In a client process: ``CALLS`` requests back to back to ``url`` (None: sleep as
+    long instead, for the ceiling).  ``umbridge.HTTPModel`` per process, made once."""
     import umbridge
+
+    if url is None:
+        for _ in range(CALLS):
+            time.sleep(DELAY)
+        return
+    model = _MODELS.get(url) or _MODELS.setdefault(url, umbridge.HTTPModel(url, "forward"))
+    for _ in range(CALLS):
+        assert model([[0.3, -0.2]], {"delay": DELAY}) == [[0.6, -0.4]]
+
+
+_MODELS: dict = {}
+
+
+def p22(client) -> list[Row]:
+    import multiprocessing
+
     from _umbridge_server import Forward
 
     import dasktensor as dt
 
-    slow = {"delay": DELAY}
-    point = [[0.3, -0.2]]
-    pool = ThreadPoolExecutor(CLIENTS)
+    # the clients are processes of their own, as UQ codes calling a model server are
+    # (threads of this process would share its GIL with the server's threads)
+    pool = multiprocessing.get_context("spawn").Pool(CLIENTS)
 
-    def throughput_of(url: str):
-        models = [umbridge.HTTPModel(url, "forward") for _ in range(CLIENTS)]
-
-        def block():
-            def one_client(m):
-                for _ in range(CALLS):
-                    assert m(point, slow) == [[0.6, -0.4]]
-
-            list(pool.map(one_client, models))
-
-        return block
-
-    def ceiling():
-        list(pool.map(lambda _: [time.sleep(DELAY) for _ in range(CALLS)], range(CLIENTS)))
+    def block_of(url):
+        return lambda: pool.map(_client_calls, [url] * CLIENTS, chunksize=1)
 
     model = dt.RemoteModel(Forward, name="forward", scheduler=client)
     assert len(model.start()) == 4
     with servers(1, max_workers=1) as (plain,), dt.serve_umbridge(model, port=0) as ours:
         per_block = blocks(
-            {"plain serve_models": throughput_of(plain),
-             "dt.serve_umbridge": throughput_of(ours.url), "ceiling": ceiling},
+            {"plain serve_models": block_of(plain), "dt.serve_umbridge": block_of(ours.url),
+             "ceiling": block_of(None)},
             calls=1, rounds=7, warmup=1,
         )  # fmt: skip
     model.close()
-    pool.shutdown()
+    pool.close()
+    pool.join()
     rate = {k: CLIENTS * CALLS / v for k, v in per_block.items()}
-    print(f"[{NAME}] P22 requests/s (medians over blocks of {CLIENTS} clients x {CALLS} "
-          "requests): " + ", ".join(f"{k} {v:.1f}" for k, v in rate.items()))  # fmt: skip
+    print(f"[{NAME}] P22 requests/s (medians over blocks of {CLIENTS} client processes x "
+          f"{CALLS} requests): " + ", ".join(f"{k} {v:.1f}" for k, v in rate.items()))  # fmt: skip
     return [
         Row(NAME, "P22 4 clients, 4 replicas: throughput / plain serve_models",
             rate["dt.serve_umbridge"] / rate["plain serve_models"], 3.5, True),
-        Row(NAME, "P22 dt.serve_umbridge throughput / ceiling (4 sleeping threads)",
+        Row(NAME, "P22 dt.serve_umbridge throughput / ceiling (4 sleeping clients)",
             rate["dt.serve_umbridge"] / rate["ceiling"]),
         Row(NAME, "P22 dt.serve_umbridge requests/s", rate["dt.serve_umbridge"]),
     ]  # fmt: skip
 
 
 def p23(client) -> list[Row]:
+    import cloudpickle
     import numpy as np
     import pymc as pm
     import pytensor.tensor as pt
 
     import dasktensor as dt
-
-    import cloudpickle
 
     sys.path.insert(0, os.path.join(HERE, "..", "docs", "examples"))
     import lotka_volterra as lv
@@ -132,6 +138,8 @@ def p23(client) -> list[Row]:
     gap = np.abs(draws["pytensor"].posterior["theta"].mean(("chain", "draw")).values
                  - draws["remote vjp"].posterior["theta"].mean(("chain", "draw")).values)  # fmt: skip
     print(f"[{NAME}] P23 walls: " + ", ".join(f"{k} {v:.1f} s" for k, v in walls.items()))
+    print(f"[{NAME}] P23 largest relative differences over {len(points)} draws' points: "
+          f"log-density {logp_rel:.2e}, gradient {grad_rel:.2e}")  # fmt: skip
     print(f"[{NAME}] P23 first draw (of 600, tuning included) parting by > 1e-6: {parted}; "
           f"posterior means apart by {np.round(gap / mcse, 2)} MCSE")  # fmt: skip
     return [

@@ -38,6 +38,7 @@ BENCHMARKS = {
     "p18": "bench_p18_adaptive",
     "p19": "bench_p19_monitor_cost",
     "p20": "bench_p20_umbridge",
+    "p22": "bench_p22_serve_umbridge",
 }
 
 

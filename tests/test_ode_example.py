@@ -16,7 +16,7 @@ from pytensor.gradient import verify_grad
 import dasktensor as dt
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "docs" / "examples"))
-import lotka_volterra as lv  # noqa: E402  (docs/examples is not a package)
+import lotka_volterra as lv
 
 pytest.importorskip("umbridge")
 

@@ -325,7 +325,8 @@ def shipped_factory(factory) -> tuple[object, list[str]]:
     registered with ``cloudpickle.register_pickle_by_value`` (a script beside the
     caller, absent on the workers) would still travel by reference; such a factory
     travels as cloudpickle's bytes instead (``build_replica`` loads them).  Large buffers
-    stay out of band while the references are read (no copy).
+    stay out of band while the references are read from the pickle's opcodes (no copy,
+    nothing loaded).
 
     >>> import collections
     >>> shipped_factory(collections.OrderedDict)
@@ -343,10 +344,18 @@ def shipped_factory(factory) -> tuple[object, list[str]]:
     return factory, modules
 
 
+_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING",
+            "BINSTRING", "STRING"}  # fmt: skip
+_GETS = {"GET", "BINGET", "LONG_BINGET"}
+_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+_QUIET = {"MEMOIZE", "FRAME", "PROTO", "MARK", "STOP"} | _PUTS  # leave the stack's top
+
+
 def _modules_in(dumps) -> list[str]:
-    """The modules the pickle ``dumps(protocol=, buffer_callback=)`` makes refers to."""
-    import io
-    import pickle
+    """The modules the pickle ``dumps(protocol=, buffer_callback=)`` makes refers to, read
+    from its opcodes (``GLOBAL``, and ``STACK_GLOBAL`` after its two strings, memoized or
+    not): nothing is loaded here."""
+    import pickletools
 
     buffers: list = []
     try:
@@ -354,15 +363,36 @@ def _modules_in(dumps) -> list[str]:
     except Exception:  # it does not pickle: Dask's own error will say so
         return []
     found: dict[str, None] = {}
-
-    class _Reader(pickle.Unpickler):
-        def find_class(self, module, name):
-            found[module] = None
-            return super().find_class(module, name)
-
+    memo: dict[int, object] = {}
+    pushed: list = []  # the values pushed lately: strings, or None for anything else
+    subimport = False
     try:
-        _Reader(io.BytesIO(data), buffers=buffers).load()
-    except Exception:  # loads only on the workers (their own error will say why)
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name == "GLOBAL":
+                found[str(arg).split(" ", 1)[0]] = None
+                pushed.append(None)
+            elif name == "STACK_GLOBAL":
+                if len(pushed) >= 2 and isinstance(pushed[-2], str):
+                    found[pushed[-2]] = None
+                    # cloudpickle's subimport("numpy"): the module by value's imports
+                    subimport = pushed[-1] == "subimport" and pushed[-2].startswith("cloudpickle")
+                pushed.append(None)
+            elif name in _STRINGS:
+                if subimport and isinstance(arg, str):
+                    found[arg] = None
+                    subimport = False
+                pushed.append(arg if isinstance(arg, str) else None)
+            elif name in _GETS:
+                pushed.append(memo.get(arg))
+            elif name == "MEMOIZE":
+                memo[len(memo)] = pushed[-1] if pushed else None
+            elif name in _PUTS:
+                memo[arg] = pushed[-1] if pushed else None
+            elif name not in _QUIET:
+                pushed.append(None)
+            del pushed[:-2]
+    except Exception:  # not a pickle this reader knows: the workers' own error will say
         pass
     return sorted(found)
 

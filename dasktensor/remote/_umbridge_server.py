@@ -339,7 +339,7 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
     server: _HTTPServer
 
-    def log_message(self, format, *args):  # noqa: A002 (the standard library's name)
+    def log_message(self, format, *args):
         _log.debug("%s - " + format, self.address_string(), *args)
 
     def _send(self, status: int, answer: dict | str) -> None:
@@ -357,7 +357,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, reply: _Reply) -> None:
         self._send(reply.status, {"error": {"type": reply.kind, "message": reply.message}})
 
-    def do_GET(self):  # noqa: N802 (the standard library's name)
+    def do_GET(self):
         owner = self.server.owner
         path = self.path.split("?", 1)[0].rstrip("/")
         if path == "/Info":
@@ -372,7 +372,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_HEAD = do_GET
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         route = self.path.split("?", 1)[0].strip("/")

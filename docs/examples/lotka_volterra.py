@@ -140,7 +140,8 @@ def lotka_volterra_pt(theta):
     path = pytensor.scan(interval, outputs_info=[u0], non_sequences=[theta],
                          n_steps=len(TIMES) - 1, return_updates=False)  # fmt: skip
     path = pt.concatenate([u0[None, :], path]).ravel()
-    return pt.switch(pt.all(pt.isfinite(path)), path, np.inf)
+    blown_up = pt.any(pt.isnan(path) | pt.isinf(path))
+    return pt.switch(blown_up, np.inf, path)
 
 
 def observed(seed: int = 42, sigma: float = 1.0) -> np.ndarray:
