@@ -289,6 +289,37 @@ def test_a_factory_the_workers_cannot_load_fails_clearly_and_loses_nothing(tmp_p
         model.close()
 
 
+def test_a_factory_of_a_module_registered_by_value_travels_by_value(tmp_path):
+    """Dask pickles a task's arguments with pickle first, by reference, whatever
+    cloudpickle was told: such a factory travels as cloudpickle's bytes, and what the
+    workers must import is what its code imports (read from the pickle, not loaded)."""
+    import importlib
+
+    import cloudpickle
+
+    from dasktensor.remote._replicas import shipped_factory
+
+    module = f"by_value_{os.getpid()}"
+    (tmp_path / f"{module}.py").write_text(
+        "import time\n\nclass Thing:\n    def __init__(self):\n        self.t = time.time()\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        thing = importlib.import_module(module).Thing
+    finally:
+        sys.path.remove(str(tmp_path))
+    shipped, modules = shipped_factory(thing)
+    assert shipped is thing and module in modules  # by reference: the workers need it
+    cloudpickle.register_pickle_by_value(sys.modules[module])
+    try:
+        shipped, modules = shipped_factory(thing)
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[module])
+    assert isinstance(shipped, bytes)
+    assert "time" in modules and module not in modules and "__init__" not in modules
+    assert type(pickle.loads(shipped)()).__name__ == "Thing"
+
+
 def test_no_worker_with_the_resource_fails_clearly(default_client):
     model = dt.RemoteModel(Probe, name="gpu-model", resources={"GPU": 1})
     with dask.config.set({"dasktensor.placement.resource-timeout": "0.5s"}):

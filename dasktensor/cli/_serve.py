@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import pathlib
 import signal
@@ -111,7 +112,8 @@ def run(args) -> int:
             model.close()
         if args.scheduler:
             client.close()
-        else:
+        else:  # (the scheduler would warn of each replica's build task lost with its worker)
+            logging.getLogger("distributed.scheduler").setLevel(logging.ERROR)
             client.shutdown()
     print("UM-Bridge server stopped.", flush=True)
     return 0

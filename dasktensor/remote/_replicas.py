@@ -365,32 +365,38 @@ def _modules_in(dumps) -> list[str]:
     found: dict[str, None] = {}
     memo: dict[int, object] = {}
     pushed: list = []  # the values pushed lately: strings, or None for anything else
-    subimport = False
+    after_subimport = False
     try:
         for op, arg, _ in pickletools.genops(data):
             name = op.name
+            value = None  # what the op pushes, when it is a string
             if name == "GLOBAL":
                 found[str(arg).split(" ", 1)[0]] = None
-                pushed.append(None)
             elif name == "STACK_GLOBAL":
                 if len(pushed) >= 2 and isinstance(pushed[-2], str):
                     found[pushed[-2]] = None
-                    # cloudpickle's subimport("numpy"): the module by value's imports
-                    subimport = pushed[-1] == "subimport" and pushed[-2].startswith("cloudpickle")
-                pushed.append(None)
+                    # cloudpickle's subimport("numpy"): an import of a module by value;
+                    # its argument is the next value pushed (a string, or memoized)
+                    after_subimport = (pushed[-2].startswith("cloudpickle")
+                                       and pushed[-1] == "subimport")  # fmt: skip
+                    pushed.append(None)
+                    continue
             elif name in _STRINGS:
-                if subimport and isinstance(arg, str):
-                    found[arg] = None
-                    subimport = False
-                pushed.append(arg if isinstance(arg, str) else None)
+                value = arg if isinstance(arg, str) else None
             elif name in _GETS:
-                pushed.append(memo.get(arg))
+                value = memo.get(arg)
             elif name == "MEMOIZE":
                 memo[len(memo)] = pushed[-1] if pushed else None
+                continue
             elif name in _PUTS:
                 memo[arg] = pushed[-1] if pushed else None
-            elif name not in _QUIET:
-                pushed.append(None)
+                continue
+            elif name in _QUIET:
+                continue
+            if after_subimport and isinstance(value, str):
+                found[value] = None
+            after_subimport = False
+            pushed.append(value)
             del pushed[:-2]
     except Exception:  # not a pickle this reader knows: the workers' own error will say
         pass
