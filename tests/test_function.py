@@ -113,6 +113,43 @@ def test_concurrent_calls_from_eight_threads():
             np.testing.assert_allclose(got[1], expected[i][1])
 
 
+def test_a_runner_pickled_by_several_threads_at_once_pickles_whole_in_each():
+    """Threads that submit one graph at once pickle its runners at once: none may see
+    the pickled subgraph before its token (CI saw ``no attribute '_token'``)."""
+    import pickle
+
+    from dasktensor.engine._runners import TaskRunner
+
+    x = pt.vector("x")
+    outs = [pt.exp(x).sum() + pt.sin(x).sum() * i for i in range(1, 4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(20):
+            runner = TaskRunner([x], outs, name="shared")
+            barrier = threading.Barrier(4)
+            pickled, errors = [], []
+
+            def dump():
+                barrier.wait()
+                try:
+                    pickled.append(pickle.dumps(runner))
+                except Exception as exc:  # noqa: BLE001 - the failure is the finding
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=dump) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert errors == []
+            assert len(set(pickled)) == 1
+    finally:
+        sys.setswitchinterval(interval)
+    copy = pickle.loads(pickled[0])
+    np.testing.assert_allclose(copy(np.arange(3.0)), runner(np.arange(3.0)))
+
+
 @pytest.mark.parametrize("where", ["threads", "cluster"])
 def test_calls_inside_a_running_loop_and_after_asyncio_run(where, request):
     scheduler = request.getfixturevalue("client") if where == "cluster" else None

@@ -145,7 +145,7 @@ class TaskRunner:
         self.backend = backend
         self.mode = mode
         self._graph = (fresh, cloned)
-        self._payload: bytes | None = None
+        self._pickle: tuple[str, bytes] | None = None  # (token, payload), set at once
         self._identity: str | None = None
         self._pool: list = []
         self._pool_lock = runtime.lock()
@@ -177,8 +177,7 @@ class TaskRunner:
     def token(self) -> str:
         """What identifies this runner's payload (its pickled subgraph and how it
         compiles): a worker keeps one compiled runner per token."""
-        self._pickled()
-        return self._token
+        return self._pickled()[0]
 
     @property
     def identity(self) -> str:
@@ -192,17 +191,19 @@ class TaskRunner:
             self._identity = tokenize(graph_identity(fresh, cloned), how)
         return self._identity
 
-    def _pickled(self) -> None:
-        if self._payload is None:
+    def _pickled(self) -> tuple[str, bytes]:
+        # one assignment of both: threads that pickle one runner at once (a graph
+        # submitted from several threads) never see a payload without its token
+        if self._pickle is None:
             fresh, cloned = self._graph
             state = (fresh, cloned, self.destroyed, self.backend, self.name, self.mode)
-            self._payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
-            self._token = tokenize(self._payload)
+            payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+            self._pickle = (tokenize(payload), payload)
+        return self._pickle
 
     # pickling: the token and the pickled subgraph, compiled again on the other side
     def __reduce__(self):
-        self._pickled()
-        return _restore, (self._token, self._payload)
+        return _restore, self._pickled()
 
     def _compile(self):
         fresh, outputs = self._graph
@@ -375,9 +376,8 @@ def _restore(token: str, payload: bytes) -> TaskRunner:
     runner.backend = backend
     runner.mode = mode
     runner._graph = (fresh, cloned)
-    runner._payload = payload
+    runner._pickle = (token, payload)
     runner._identity = None
-    runner._token = token
     runner._pool = []
     runner._pool_lock = runtime.lock()
     with state.lock:
