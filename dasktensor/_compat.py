@@ -50,12 +50,17 @@ def inline_op_from_graph(node) -> list:
     keeps an ordinary graph, copied here node by node onto the node's own inputs (its
     ``clone_replace`` would also copy the ancestry of the replacements).
     """
-    op = node.op
+    return inner_graph_on(node.op, node.inputs)
+
+
+def inner_graph_on(op, inputs) -> list:
+    """The outputs of ``OpFromGraph`` ``op``'s inner graph, built anew on ``inputs`` (an
+    ordinary graph on either line, which rewrites and ``vectorize_graph`` can work on)."""
     if hasattr(op.fgraph, "bind"):
-        return list(op.fgraph.bind(list(node.inputs)))
+        return list(op.fgraph.bind(list(inputs)))
     from pytensor.graph.basic import clone_get_equiv
 
-    memo = dict(zip(op.inner_inputs, node.inputs))
+    memo = dict(zip(op.inner_inputs, inputs))
     equiv = clone_get_equiv(op.inner_inputs, op.inner_outputs, copy_inputs=False, memo=memo)
     return [equiv[o] for o in op.inner_outputs]
 

@@ -130,7 +130,7 @@ def test_a_runner_pickled_by_several_threads_at_once_pickles_whole_in_each():
             barrier = threading.Barrier(4)
             pickled, errors = [], []
 
-            def dump():
+            def dump(runner=runner, barrier=barrier, pickled=pickled, errors=errors):
                 barrier.wait()
                 try:
                     pickled.append(pickle.dumps(runner))

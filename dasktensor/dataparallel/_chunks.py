@@ -32,14 +32,53 @@ from dask.task_spec import Task, TaskRef
 from dask.utils import parse_bytes
 
 from dasktensor import _config
-from dasktensor.cluster import default_client
+from dasktensor.cluster import check_resources, default_client
 from dasktensor.dataparallel._vectorize import Vectorized
+from dasktensor.engine._translate import FromInput, FromTask, picked
 
 
-def _run_chunk(runner, seed: np.random.SeedSequence | None, n_rngs: int, *values):
-    """Task body: one chunk through the vectorised graph; the tuple of its outputs."""
-    rngs = [np.random.default_rng(s) for s in seed.spawn(n_rngs)] if n_rngs else []
-    return runner(*values, *rngs)
+def _run_chunk(runner, seeds: tuple, *values):
+    """Task body: one chunk through the vectorised graph; the tuple of its outputs.
+
+    ``seeds`` are the chunk's seeds, one per random generator of the graph: spawned when
+    the graph is built, so that computing a lazy result twice (on a local scheduler, where
+    the task holds the very objects of the graph) draws the same numbers.
+    """
+    return runner(*values, *[np.random.default_rng(s) for s in seeds])
+
+
+def _run_stage(runner, picks: tuple, seeds: tuple, *deps):
+    """Task body: one chunk through one stage of a pipeline; the tuple of its outputs.
+
+    ``picks`` say which output of which dependency feeds which input (dependencies after
+    those the picks name are markers of backpressure, read for their order only).
+    """
+    return runner(*picked(picks, deps), *[np.random.default_rng(s) for s in seeds])
+
+
+def _handed_on(_outputs) -> None:
+    """Task body of a backpressure marker: a stage has finished a chunk (it runs where
+    that stage's outputs are, and hands on ``None``, not them)."""
+    return
+
+
+class _StageTask(Task):
+    """A stage's task: never fused with its neighbours by Dask's array optimisation
+    (fusing a chain of stages would run them as one task, on one worker)."""
+
+    @property
+    def block_fusion(self) -> bool:
+        return True
+
+
+class _ByKey:
+    """A per-key Dask annotation: the value for a key of the layer, or None (none)."""
+
+    def __init__(self, values: dict):
+        self.values = values
+
+    def __call__(self, key):
+        return self.values.get(key)
 
 
 def _as_dask(x, chunks):
@@ -78,12 +117,14 @@ def map_blocks(
     name: str | None = None,
     *,
     fixed: Sequence,
+    client=None,
 ):
     """Dask arrays of the vectorised graph's outputs, one task per block of the batch.
 
     ``args`` are numpy or Dask arrays, batched ones with ``vec.n_batch`` leading batch
     axes; ``batch_chunks`` the chunks of those axes; ``fixed`` the values of the fixed
-    inputs, from ``vec.fixed_values()``.
+    inputs, from ``vec.fixed_values()``; ``client`` (else Dask's default client) is
+    asked whether some worker offers the resources of a pipeline's stages.
     """
     import dask.array as da
 
@@ -104,35 +145,130 @@ def map_blocks(
     label = name or vec.name
     tuple_name = f"{label}-{token}"
     blocks = list(np.ndindex(*[len(c) for c in batch_chunks]))
-    seeds = np.random.SeedSequence(random_seed).spawn(len(blocks)) if vec.rngs else None
+    # per chunk, one seed per random generator
     n_rngs = len(vec.rngs)
-    layer = {}
-    for i, block in enumerate(blocks):
-        refs = []
-        for a, b in zip(arrays, vec.batched):
-            idx = block + (0,) * (a.ndim - nb) if b else (0,) * a.ndim
-            refs.append(TaskRef((a.name, *idx)))
-        key = (tuple_name, *block)
-        seed = seeds[i] if seeds is not None else None
-        layer[key] = Task(key, _run_chunk, vec.runner, seed, n_rngs, *refs)
+    seeds = [
+        tuple(s.spawn(n_rngs)) if n_rngs else ()
+        for s in np.random.SeedSequence(random_seed).spawn(len(blocks))
+    ]
+
+    def chunk_of(j: int, block: tuple) -> TaskRef:
+        a = arrays[j]
+        idx = block + (0,) * (a.ndim - nb) if vec.batched[j] else (0,) * a.ndim
+        return TaskRef((a.name, *idx))
+
     graph = HighLevelGraph.merge(*[a.dask for a in arrays])
     layers = dict(graph.layers)
     dependencies = dict(graph.dependencies)
-    layers[tuple_name] = layer
-    dependencies[tuple_name] = {a.name for a in arrays}
+    if vec.pipeline is None:  # one task per chunk
+        layer = {}
+        for i, block in enumerate(blocks):
+            key = (tuple_name, *block)
+            refs = [chunk_of(j, block) for j in range(len(arrays))]
+            layer[key] = Task(key, _run_chunk, vec.runner, seeds[i], *refs)
+        layers[tuple_name] = layer
+        dependencies[tuple_name] = {a.name for a in arrays}
+
+        def output_of(block: tuple, k: int) -> tuple:
+            return (operator.getitem, TaskRef((tuple_name, *block)), k)
+    else:
+        client = client if client is not None else default_client()
+        if client is not None:  # a stage whose resources no worker offers would hang
+            check_resources(client, vec.pipeline.placements)
+        layers[tuple_name] = _pipeline_layer(vec.pipeline, blocks, seeds, chunk_of, label, token)
+        dependencies[tuple_name] = {a.name for a in arrays}
+        sources = vec.pipeline.output_sources
+
+        def output_of(block: tuple, k: int) -> tuple:
+            src = sources[k]
+            if isinstance(src, FromInput):
+                return (_identity, chunk_of(src.position, block))
+            stage = vec.pipeline.stages[src.task]
+            return (
+                operator.getitem,
+                TaskRef((_stage_key(label, stage, token), *block)),
+                src.output,
+            )
+
     outs = []
     for k, (t, core) in enumerate(zip(vec.out_types, out_cores)):
         out_name = f"{label}-out{k}-{token}" if len(vec.out_types) > 1 else f"{label}-out-{token}"
         out_layer = {}
         for block in blocks:
             key = (out_name, *block, *(0,) * len(core))
-            out_layer[key] = Task(key, operator.getitem, TaskRef((tuple_name, *block)), k)
+            out_layer[key] = Task(key, *output_of(block, k))
         layers[out_name] = out_layer
         dependencies[out_name] = {tuple_name}
         hlg = HighLevelGraph(dict(layers), dict(dependencies))
         chunks = batch_chunks + tuple((d,) for d in core)
-        outs.append(da.Array(hlg, out_name, chunks, dtype=t.dtype))
+        if vec.pipeline is None:
+            cls = da.Array
+        else:  # (imported here: dask.array is not imported with dasktensor)
+            from dasktensor.dataparallel._arrays import PipelinedArray as cls
+        outs.append(cls(hlg, out_name, chunks, dtype=t.dtype))
     return outs
+
+
+def _identity(x):
+    return x
+
+
+def _stage_key(label: str, stage, token: str) -> str:
+    return f"{label}-{stage.name}-{token}"
+
+
+#: a backpressure marker runs before any stage task waiting on its worker
+_MARKER_PRIORITY = 1 << 40
+
+
+def _pipeline_layer(pipeline, blocks, seeds, chunk_of, label: str, token: str):
+    """The tasks of every chunk's stages, and of the markers that bound how many chunks
+    wait between stages (``dasktensor.pmap.inflight``), as one layer (a stage's tasks
+    wait on markers of later stages: layers per stage would depend on each other in a
+    circle).  Each stage's tasks carry its placement as per-key annotations."""
+    inflight = _config.get("pmap.inflight")
+    if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
+        raise ValueError(
+            f"dask.config 'dasktensor.pmap.inflight' expected an int >= 1, got {inflight!r}"
+        )
+    n = len(blocks)
+    layer: dict = {}
+    per_key: dict[str, dict] = {}
+    names = [_stage_key(label, st, token) for st in pipeline.stages]
+    done_names = [f"{label}-{st.name}-done-{token}" for st in pipeline.stages]
+    for st in pipeline.stages:
+        for i, block in enumerate(blocks):
+            ann = st.placement.annotations()
+            picks, deps, where = [], [], {}
+            for src in st.sources:
+                if isinstance(src, FromTask):
+                    ref, out = TaskRef((names[src.task], *block)), src.output
+                else:
+                    ref, out = chunk_of(src.position, block), None
+                if ref.key not in where:
+                    where[ref.key] = len(deps)
+                    deps.append(ref)
+                picks.append((where[ref.key], out))
+            if i >= inflight:  # wait until the readers of chunk i - inflight are done
+                earlier = blocks[i - inflight]
+                deps += [TaskRef((done_names[c], *earlier)) for c in st.consumers]
+            key = (names[st.index], *block)
+            chunk_seeds = tuple(seeds[i][j] for j in st.rngs) if seeds[i] else ()
+            layer[key] = _StageTask(key, _run_stage, st.runner, tuple(picks), chunk_seeds, *deps)
+            # chunks in order (Dask's own order of such a graph interleaves them), unless
+            # the block asks for a priority of its own
+            ann.setdefault("priority", -i)
+            for name, value in ann.items():
+                per_key.setdefault(name, {})[key] = value
+            if st.deps and i + inflight < n:  # a later chunk of a producer waits on this
+                done = (done_names[st.index], *block)
+                layer[done] = Task(done, _handed_on, TaskRef(key))
+                # at once: not queued behind the stage's next chunks on its worker
+                per_key.setdefault("priority", {})[done] = _MARKER_PRIORITY
+    from dask.highlevelgraph import MaterializedLayer
+
+    annotations = {name: _ByKey(values) for name, values in per_key.items()}
+    return MaterializedLayer(layer, annotations=annotations or None)
 
 
 def compute_arrays(arrays: list, client, progressbar: bool) -> list[np.ndarray]:
@@ -186,7 +322,7 @@ def compute_arrays(arrays: list, client, progressbar: bool) -> list[np.ndarray]:
         for out, value in zip(outs, computed):
             out[...] = value
         return outs
-    store = lambda: da.store(arrays, outs, lock=False)  # noqa: E731
+    store = lambda: da.store(arrays, outs, lock=False)
     if progressbar:
         from dask.diagnostics import ProgressBar
 

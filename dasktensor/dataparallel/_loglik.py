@@ -122,7 +122,9 @@ def compute_log_likelihood(
     n_chains, n_draws = posterior.sizes["chain"], posterior.sizes["draw"]
     chunked = sample_chunks("compute_log_likelihood", n_chains, n_draws, chunks,
                             bytes_per_draw(template, names))  # fmt: skip
-    arrays = map_blocks(vec, values, chunked, None, "loglik", fixed=vec.fixed_values())
+    arrays = map_blocks(
+        vec, values, chunked, None, "loglik", fixed=vec.fixed_values(), client=client
+    )
     dataset = lazy_dataset(template, dict(zip(names, arrays)), posterior, chunked)
     if compute:
         dataset = compute_dataset(dataset, client, progressbar)

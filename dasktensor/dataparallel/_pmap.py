@@ -39,6 +39,27 @@ class PMapped:
         self.name = name
         self.random_seed = random_seed
         self._cache: dict = {}
+        self._last = None  # the Vectorized graph of the latest call
+
+    @property
+    def plan(self):
+        """How the latest call runs each chunk: its :class:`Pipeline` of placed stages
+        (printable) when the graph has ``dt.annotate`` blocks, else None (one task per
+        chunk).  The graph is built per argument signature, at the first call."""
+        if self._last is None:
+            raise RuntimeError(
+                "pmap: no plan yet; the graph is built for the arguments of a call: call "
+                "the pmap first (g(x) builds a lazy result without computing anything)"
+            )
+        return self._last.pipeline
+
+    def __repr__(self) -> str:
+        name = self.name or "pmap"
+        if self._last is None:
+            return f"<pmap {name!r}, not called yet>"
+        if self._last.pipeline is None:
+            return f"<pmap {name!r}: one task per chunk>"
+        return f"<{self._last.pipeline.describe()}>"
 
     def _axes(self, args: list) -> list[int | None]:
         """Per argument: its batch axis (normalised to >= 0), or None."""
@@ -138,6 +159,7 @@ class PMapped:
             vec = Vectorized(inputs, outputs, batched, 1, name=self.name or "pmap")
             self._cache[signature] = (vec, single)
             fixed = vec.fixed_values()
+        self._last = vec
         chunks = self.chunks
         if chunks == "auto":
             dask_chunks = [

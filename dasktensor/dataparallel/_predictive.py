@@ -46,7 +46,7 @@ _capture_lock = runtime.lock()
 def _forward_function(model, small, var_names, predictions):
     """Run PyMC on a one-draw trace; return its result and the forward function it built."""
     import pymc as pm
-    import pymc.sampling.forward as forward
+    from pymc.sampling import forward
     from pytensor.compile.mode import Mode
 
     captured = []
@@ -259,7 +259,9 @@ def sample_posterior_predictive(
     names = [o.name for o in outputs]
     chunked = sample_chunks("sample_posterior_predictive", n_chains, n_draws, chunks,
                             bytes_per_draw(template, names))  # fmt: skip
-    arrays = map_blocks(vec, values, chunked, random_seed, "predictive", fixed=fixed)
+    arrays = map_blocks(
+        vec, values, chunked, random_seed, "predictive", fixed=fixed, client=client
+    )
     dataset = lazy_dataset(template, dict(zip(names, arrays)), posterior, chunked)
     if compute:
         dataset = compute_dataset(dataset, client, progressbar)

@@ -37,6 +37,7 @@ from pytensor.tensor.random.type import RandomGeneratorType
 from pytensor.tensor.type_other import NoneTypeT
 from pytensor.tensor.variable import TensorConstant
 
+from dasktensor.dataparallel._pipeline import Pipeline
 from dasktensor.engine import TaskRunner
 
 _LARGE_CONSTANT_BYTES = 1 << 12
@@ -182,6 +183,13 @@ class Vectorized:
             outs = clone_replace(outs, replace=dict(zip(self.rngs, rng_inputs)))
         self.out_types = [o.type for o in outs]
         self.runner = TaskRunner([*new_inputs, *rng_inputs], outs, backend="inner", name=name)
+        #: the placed stages of a graph with ``dt.annotate`` blocks (None without blocks:
+        #: one task per chunk runs ``runner``)
+        self.pipeline = (
+            Pipeline(new_inputs, rng_inputs, outs, name)
+            if Pipeline.needed([*new_inputs, *rng_inputs], outs)
+            else None
+        )
         self._out_cores: dict[tuple, list[tuple]] = {}
 
     def _fixed_values(self) -> list:

@@ -24,7 +24,7 @@ import threading
 
 from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Apply, Constant, Variable
-from pytensor.graph.replace import clone_replace
+from pytensor.graph.replace import _vectorize_node, clone_replace, vectorize_graph
 
 from dasktensor import _compat
 from dasktensor._placement import Placement, check_name
@@ -106,6 +106,32 @@ class Placed(OpFromGraph):
                 else g
                 for g in grads
             ]
+
+
+@_vectorize_node.register(Placed)
+def _vectorize_placed(op: Placed, node: Apply, *batched_inputs) -> Apply:
+    """A placed block over a batch is the placed block of its inner graph vectorised.
+
+    PyTensor's fallback would wrap the block in a ``Blockwise``, which hides the placement
+    from the planners (``dt.pmap``'s stages, the DASK mode's heavy tasks) and loops over
+    the batch in Python.  Here the block keeps its placement and name and runs its
+    vectorised inner graph once per chunk.
+    """
+    if all(b.type == i.type for b, i in zip(batched_inputs, node.inputs)):
+        return op.make_node(*batched_inputs)
+    element = [i.type() for i in node.inputs]
+    inner = [b.type() for b in batched_inputs]
+    outputs = vectorize_graph(
+        _compat.inner_graph_on(op, element), replace=dict(zip(element, inner))
+    )
+    vectorised = Placed(
+        inner,
+        list(outputs),
+        placement=op.dasktensor_placement,
+        label=op.dasktensor_name,
+        on_unused_input="ignore",
+    )
+    return vectorised.make_node(*batched_inputs)
 
 
 # ----------------------------------------------------------------------------- recording
