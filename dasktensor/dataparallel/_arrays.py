@@ -16,7 +16,15 @@ import dask.array as da
 from dask.array.optimization import optimize
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-from dasktensor.dataparallel._chunks import _ByKey
+
+class ByKey:
+    """A per-key Dask annotation: the value for a key of the layer, or None (none)."""
+
+    def __init__(self, values: dict):
+        self.values = values
+
+    def __call__(self, key):
+        return self.values.get(key)
 
 
 def optimize_keeping_annotations(dsk, keys, **kwargs):
@@ -36,7 +44,7 @@ def optimize_keeping_annotations(dsk, keys, **kwargs):
     if not kept:
         return out
     name = f"optimized-{uuid.uuid4().hex}"
-    annotations = {n: _ByKey(values) for n, values in kept.items()}
+    annotations = {n: ByKey(values) for n, values in kept.items()}
     return HighLevelGraph({name: MaterializedLayer(out, annotations=annotations)}, {name: set()})
 
 

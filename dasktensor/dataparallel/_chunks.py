@@ -34,7 +34,7 @@ from dask.utils import parse_bytes
 from dasktensor import _config
 from dasktensor.cluster import check_resources, default_client
 from dasktensor.dataparallel._vectorize import Vectorized
-from dasktensor.engine._translate import FromInput, FromTask, picked
+from dasktensor.engine import FromInput, FromTask, picked
 
 
 def _run_chunk(runner, seeds: tuple, *values):
@@ -69,16 +69,6 @@ class _StageTask(Task):
     @property
     def block_fusion(self) -> bool:
         return True
-
-
-class _ByKey:
-    """A per-key Dask annotation: the value for a key of the layer, or None (none)."""
-
-    def __init__(self, values: dict):
-        self.values = values
-
-    def __call__(self, key):
-        return self.values.get(key)
 
 
 def _as_dask(x, chunks):
@@ -267,7 +257,9 @@ def _pipeline_layer(pipeline, blocks, seeds, chunk_of, label: str, token: str):
                 per_key.setdefault("priority", {})[done] = _MARKER_PRIORITY
     from dask.highlevelgraph import MaterializedLayer
 
-    annotations = {name: _ByKey(values) for name, values in per_key.items()}
+    from dasktensor.dataparallel._arrays import ByKey
+
+    annotations = {name: ByKey(values) for name, values in per_key.items()}
     return MaterializedLayer(layer, annotations=annotations or None)
 
 

@@ -11,7 +11,7 @@ through the caller.
 The cut
 -------
 Blocks (``Placed`` nodes) are anchors.  Every other node is coloured by the blocks among
-its ancestors and among its descendants (:func:`dasktensor.engine._plan.anchors_around`):
+its ancestors and among its descendants (:func:`dasktensor.engine.anchors_around`):
 nodes of one colour form a stage that runs on any worker, and stages and blocks form an
 acyclic graph (the argument of the planner's step 1).  Then stages of one *key* are fused
 whenever fusing keeps the graph acyclic: blocks of equal placement (resources, workers,
@@ -41,10 +41,15 @@ from pytensor.graph.traversal import io_toposort
 
 from dasktensor import _compat
 from dasktensor._placement import Placement
-from dasktensor.engine._annotate import Placed
-from dasktensor.engine._plan import _block_dag, _toposort_blocks, anchors_around
-from dasktensor.engine._runners import TaskRunner
-from dasktensor.engine._translate import FromInput, FromTask
+from dasktensor.engine import (
+    FromInput,
+    FromTask,
+    Placed,
+    TaskRunner,
+    anchors_around,
+    block_dag,
+    toposort_blocks,
+)
 
 #: where the graph has no placement: the stages that run on any worker
 _ANYWHERE = Placement()
@@ -94,8 +99,8 @@ class Pipeline:
         groups = _fused(_coloured(nodes))
         rank = {n: i for i, n in enumerate(nodes)}
         groups = [sorted(g, key=rank.__getitem__) for g in groups]
-        preds, _ = _block_dag(groups)
-        order = _toposort_blocks(preds)
+        preds, _ = block_dag(groups)
+        order = toposort_blocks(preds)
         groups = [groups[i] for i in order]
         stage_of = {o: s for s, g in enumerate(groups) for n in g for o in n.outputs}
         # what each stage hands on: outputs read by other stages or by the caller
@@ -241,8 +246,8 @@ def _fused(groups: list[list[Apply]]) -> list[list[Apply]]:
     """
     groups = [list(g) for g in groups]
     while True:
-        preds, succs = _block_dag(groups)
-        order = _toposort_blocks(preds)
+        preds, succs = block_dag(groups)
+        order = toposort_blocks(preds)
         reach: dict[int, set[int]] = {}
         for g in reversed(order):
             reach[g] = set(succs[g]).union(*(reach[c] for c in succs[g]))

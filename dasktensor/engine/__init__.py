@@ -21,27 +21,39 @@ from dasktensor.engine._annotate import annotate as annotate
 from dasktensor.engine._execute import PlanExecutor as PlanExecutor
 from dasktensor.engine._plan import Plan as Plan
 from dasktensor.engine._plan import Task as Task
+from dasktensor.engine._plan import anchors_around as anchors_around
+from dasktensor.engine._plan import block_dag as block_dag
 from dasktensor.engine._plan import plan_graph as plan_graph
+from dasktensor.engine._plan import toposort_blocks as toposort_blocks
 from dasktensor.engine._resident import release_in_background as release_in_background
 from dasktensor.engine._runners import TaskRunner as TaskRunner
 from dasktensor.engine._runners import compiling as compiling
+from dasktensor.engine._translate import FromInput as FromInput
+from dasktensor.engine._translate import FromTask as FromTask
 from dasktensor.engine._translate import TaskGraph as TaskGraph
+from dasktensor.engine._translate import picked as picked
 from dasktensor.engine._weights import is_heavy as is_heavy
 from dasktensor.engine._weights import mark_heavy as mark_heavy
 from dasktensor.engine._weights import work_of as work_of
 
 __all__ = [
+    "FromInput",
+    "FromTask",
     "Placed",
     "Plan",
     "PlanExecutor",
     "Task",
     "TaskGraph",
     "TaskRunner",
+    "anchors_around",
     "annotate",
+    "block_dag",
     "compiling",
     "is_heavy",
     "mark_heavy",
+    "picked",
     "plan_graph",
     "release_in_background",
+    "toposort_blocks",
     "work_of",
 ]

@@ -309,7 +309,7 @@ def fuse_chains(blocks: list[Block], weights: Weights) -> list[Block]:
     topological order (kept inside merged blocks); returns the fused blocks in the order
     of their first node.
     """
-    preds, succs = _block_dag(blocks)
+    preds, succs = block_dag(blocks)
     heavy = [any(weights[n].kind == "heavy" for n in block) for block in blocks]
     pairs = []
     for a, consumers in enumerate(succs):
@@ -328,8 +328,8 @@ def fuse_caller_stages(blocks: list[Block], weights: Weights) -> list[Block]:
     as they are; :func:`make_plan` places them on the cluster.  Takes and returns blocks
     as :func:`fuse_chains` does.
     """
-    preds, _ = _block_dag(blocks)
-    order = _toposort_blocks(preds)
+    preds, _ = block_dag(blocks)
+    order = toposort_blocks(preds)
     cluster = [any(weights[n].anchor for n in block) for block in blocks]
     above, below = anchors_around(order, preds, cluster.__getitem__)
     sides: dict[tuple[bool, bool], list[int]] = {}
@@ -355,8 +355,8 @@ def make_plan(fgraph: FunctionGraph, blocks: list[Block], weights: Weights) -> P
     -------
     Plan
     """
-    preds, _ = _block_dag(blocks)
-    order = _toposort_blocks(preds)
+    preds, _ = block_dag(blocks)
+    order = toposort_blocks(preds)
     renumber = {old: new for new, old in enumerate(order)}
     blocks = [blocks[old] for old in order]
     deps = [sorted(renumber[d] for d in preds[old]) for old in order]
@@ -445,7 +445,7 @@ def _single_stage(fgraph: FunctionGraph, nodes: list[Apply], reason: str) -> Pla
     return Plan(fgraph=fgraph, tasks=(task,))
 
 
-def _block_dag(blocks: Sequence[Block]) -> tuple[list[set[int]], list[set[int]]]:
+def block_dag(blocks: Sequence[Block]) -> tuple[list[set[int]], list[set[int]]]:
     """Predecessors and successors of every block, by index in ``blocks``."""
     block_of = {n: b for b, block in enumerate(blocks) for n in block}
     preds = [
@@ -478,7 +478,7 @@ def _merged(nodes: Iterable[Apply], blocks: list[Block], pairs) -> list[Block]:
     return list(members.values())
 
 
-def _toposort_blocks(preds: Sequence[Iterable[int]]) -> list[int]:
+def toposort_blocks(preds: Sequence[Iterable[int]]) -> list[int]:
     """Block indices in topological order: level by level, each level in index order."""
     remaining = {i: set(d) for i, d in enumerate(preds)}
     done: list[int] = []
