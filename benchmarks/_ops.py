@@ -139,3 +139,56 @@ class SlowCall:
 
         time.sleep(self.seconds)
         return os.getpid()
+
+
+class StageWork(Op):
+    """One stage of a pipelined pmap (P24-P26): sleeps ``seconds`` per run, then returns
+    ``x + 1`` -- or, with ``expand=n``, ``n`` values per element (a large intermediate),
+    or, with ``reduce=True``, the mean over the last axis (a small result).
+
+    Not heavy: it sits inside a ``dt.annotate`` block, which is the stage.  It vectorises
+    as itself, so a chunk is one run whatever its size.
+    """
+
+    __props__ = ("seconds", "expand", "reduce")
+
+    def __init__(self, seconds: float, expand: int | None = None, reduce: bool = False):
+        self.seconds = float(seconds)
+        self.expand = expand
+        self.reduce = reduce
+
+    def make_node(self, x):
+        from pytensor.tensor import tensor
+
+        x = as_tensor_variable(x)
+        if self.expand is not None:
+            out = tensor(dtype=x.dtype, shape=(*x.type.shape[:-1], self.expand))
+        elif self.reduce:
+            out = tensor(dtype=x.dtype, shape=(*x.type.shape[:-1], 1))
+        else:
+            out = x.type()
+        return Apply(self, [x], [out])
+
+    def perform(self, node, inputs, output_storage):
+        (x,) = inputs
+        time.sleep(self.seconds)
+        if self.expand is not None:
+            out = np.repeat(x[..., :1], self.expand, axis=-1) + 1.0
+        elif self.reduce:
+            out = x.mean(axis=-1, keepdims=True)
+        else:
+            out = x + 1
+        output_storage[0][0] = np.asarray(out, dtype=node.outputs[0].dtype)
+
+
+def _vectorize_stage_work(op, node, x):
+    return op.make_node(x)
+
+
+def _register() -> None:
+    from pytensor.graph.replace import _vectorize_node
+
+    _vectorize_node.register(StageWork)(_vectorize_stage_work)
+
+
+_register()

@@ -39,6 +39,7 @@ BENCHMARKS = {
     "p19": "bench_p19_monitor_cost",
     "p20": "bench_p20_umbridge",
     "p22": "bench_p22_serve_umbridge",
+    "p24": "bench_p24_pipeline",
 }
 
 

@@ -22,6 +22,7 @@ from dasktensor.cluster import SchedulerLostError as SchedulerLostError
 from dasktensor.cluster import calls_link as calls_link
 from dasktensor.cluster import connect as connect
 from dasktensor.dataparallel import PMapped as PMapped
+from dasktensor.dataparallel import Pipeline as Pipeline
 from dasktensor.dataparallel import compute_log_likelihood as compute_log_likelihood
 from dasktensor.dataparallel import pmap as pmap
 from dasktensor.dataparallel import sample_posterior_predictive as sample_posterior_predictive
@@ -66,6 +67,7 @@ __all__ = [
     "LogpOp",
     "NoWorkerWithResourcesError",
     "PMapped",
+    "Pipeline",
     "ParallelCallsOp",
     "Placed",
     "Placement",

@@ -46,3 +46,35 @@ class Stamped(Op):
 @_vectorize_node.register(Stamped)
 def _vectorize_stamped(op, node, x):
     return op.make_node(x)
+
+
+class OnlyWith(Op):
+    """``x`` unchanged, after checking that the Dask worker running it offers
+    ``resource``: a stage that ran on another worker fails.  Outside any worker (PyMC's
+    one-draw run in the caller, which the posterior predictive takes as its template) it
+    passes."""
+
+    __props__ = ("resource",)
+
+    def __init__(self, resource: str):
+        self.resource = resource
+
+    def make_node(self, x):
+        x = pt.as_tensor_variable(x)
+        return Apply(self, [x], [x.type()])
+
+    def perform(self, node, inputs, outputs):
+        from distributed import get_worker
+
+        try:
+            offered = get_worker().state.total_resources
+        except ValueError:  # not in a worker
+            offered = {self.resource: 1}
+        if offered.get(self.resource, 0) < 1:
+            raise RuntimeError(f"ran on a worker offering {offered}, not {self.resource}")
+        outputs[0][0] = np.array(inputs[0], copy=True)
+
+
+@_vectorize_node.register(OnlyWith)
+def _vectorize_only_with(op, node, x):
+    return op.make_node(x)

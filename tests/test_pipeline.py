@@ -3,8 +3,12 @@ stages, chunks streaming through them, with a bound on the chunks between stages
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -12,11 +16,10 @@ import dask
 import numpy as np
 import pytensor.tensor as pt
 import pytest
-from _stage_ops import Stamped
+from _stage_ops import OnlyWith, Stamped
 from dask.utils import key_split
 
 import dasktensor as dt
-import dasktensor.engine._runners as runners
 
 X = np.random.default_rng(0).normal(size=(10, 3))
 
@@ -98,50 +101,76 @@ def test_a_lazy_result_without_blocks_draws_the_same_numbers_when_computed_again
         np.testing.assert_array_equal(y.compute(), y.compute())
 
 
-def _conversions(monkeypatch) -> list:
-    seen = []
-    original = runners._as_numpy
+#: run in a child process: JAX runs in worker processes only in this suite (a process
+#: that ran JAX warns when it forks, and later tests fork: pm.sample(cores=2))
+_JAX_CHILD = """
+import json, sys, warnings
+import dask, numpy as np, pytensor.tensor as pt
+sys.path.insert(0, {tests!r})
+warnings.simplefilter("ignore")
+import dasktensor as dt
+import dasktensor.engine._runners as runners
+from test_pipeline import X, model
 
-    def counting(x):
-        seen.append(type(x).__name__)
-        return original(x)
+seen = []
+original = runners._as_numpy
+def counting(x):
+    seen.append(type(x).__name__)
+    return original(x)
+runners._as_numpy = counting
 
-    monkeypatch.setattr(runners, "_as_numpy", counting)
-    return seen
-
-
-def test_two_jax_blocks_in_a_row_are_one_jax_function(monkeypatch):
-    pytest.importorskip("jax")
-    g = dt.pmap(lambda x: model(x, True, jax=True), chunks=5, random_seed=5)
-    y = g(X)
-    (jax_stage,) = [s for s in g.plan.stages if s.placement.mode == "JAX"]
-    assert jax_stage.blocks == ("gpu", "gpu-more")
-    seen = _conversions(monkeypatch)
-    with dask.config.set(scheduler="sync"):
-        got = dask.compute(*y)
-    # one conversion per chunk: the JAX stage's one output; the intermediate between
-    # the two blocks stayed a JAX array inside one JAX function
-    assert len(seen) == 2 and all("Array" in name for name in seen), seen
+out = {{}}
+g = dt.pmap(lambda x: model(x, True, jax=True), chunks=5, random_seed=5)
+y = g(X)
+out["fused"] = [[s.name, list(s.blocks), s.placement.mode] for s in g.plan.stages]
+with dask.config.set(scheduler="sync"):
+    got = dask.compute(*y)
     want = dask.compute(*dt.pmap(lambda x: model(x, False), chunks=5, random_seed=5)(X))
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
+out["fused_conversions"] = list(seen)
+out["fused_diff"] = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
+
+x = pt.vector("x")
+with dt.annotate(mode="JAX", name="first"):
+    a = pt.sin(x) * 2
+with dt.annotate(mode="JAX", retries=1, name="second"):
+    b = pt.exp(a).sum()
+g = dt.pmap(([x], b), chunks=5)
+y = g(X)
+out["apart"] = [s.name for s in g.plan.stages]
+seen.clear()
+with dask.config.set(scheduler="sync"):
+    out["apart_diff"] = float(np.max(np.abs(y.compute() - np.exp(np.sin(X) * 2).sum(axis=1))))
+out["apart_conversions"] = list(seen)
+print(json.dumps(out))
+"""
 
 
-def test_jax_blocks_of_different_placements_hand_numpy_arrays_on(monkeypatch):
-    """The counterpart: blocks that cannot fuse convert at each stage's end."""
+@pytest.fixture(scope="module")
+def jax_child() -> dict:
     pytest.importorskip("jax")
-    x = pt.vector("x")
-    with dt.annotate(mode="JAX", name="first"):
-        a = pt.sin(x) * 2
-    with dt.annotate(mode="JAX", retries=1, name="second"):
-        b = pt.exp(a).sum()
-    g = dt.pmap(([x], b), chunks=5)
-    y = g(X)
-    assert [s.name for s in g.plan.stages] == ["first", "second"]
-    seen = _conversions(monkeypatch)
-    with dask.config.set(scheduler="sync"):
-        np.testing.assert_allclose(y.compute(), np.exp(np.sin(X) * 2).sum(axis=1), rtol=1e-6)
-    assert len(seen) == 4
+    script = _JAX_CHILD.format(tests=str(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_two_jax_blocks_in_a_row_are_one_jax_function(jax_child):
+    """The two GPU blocks (mode="JAX") fuse into one stage compiled with JAX: one
+    conversion to NumPy per chunk (its one output); the intermediate between the blocks
+    stayed a JAX array inside one JAX function."""
+    assert ["gpu-gpu-more", ["gpu", "gpu-more"], "JAX"] in jax_child["fused"]
+    conversions = jax_child["fused_conversions"]
+    assert len(conversions) == 2 and all("Array" in n for n in conversions), conversions
+    assert jax_child["fused_diff"] < 1e-6
+
+
+def test_jax_blocks_of_different_placements_hand_numpy_arrays_on(jax_child):
+    """The counterpart: blocks that cannot fuse convert at each stage's end."""
+    assert jax_child["apart"] == ["first", "second"]
+    assert len(jax_child["apart_conversions"]) == 4
+    assert jax_child["apart_diff"] < 1e-6
 
 
 def test_a_bad_inflight_setting_fails_clearly():
@@ -237,7 +266,7 @@ def test_chunks_stream_through_the_stages(staged, inflight):
         g(np.ones((n, 2)), compute=True, progressbar=False)  # compiles the stages
         _, host, gpu = g(np.ones((n, 2)), compute=True, progressbar=False)
     order = np.argsort(gpu[:, 0])
-    streamed = [int(b) for a, b in zip(order, order[1:]) if host[b, 0] < gpu[a, 1]]
+    streamed = [int(b) for a, b in itertools.pairwise(order) if host[b, 0] < gpu[a, 1]]
     wall = max(gpu[:, 1]) - min(host[:, 0])
     print(f"inflight={inflight}: chunks whose HOST stage began before the previous GPU "
           f"stage ended: {streamed}; wall {wall:.2f} s for {n} x (0.15 + 0.15) s of stages")  # fmt: skip
@@ -309,3 +338,30 @@ def test_the_task_stream_shows_each_chunks_stages(staged):
         stamped(0.0, 0.0)(np.ones((5, 2)), compute=True, progressbar=False)
     names = [key_split(t["key"]) for t in ts.data]
     assert names.count("staged-host") == 5 and names.count("staged-gpu") == 5
+
+
+def test_a_posterior_predictive_runs_its_surrogate_block_on_the_gpu_worker(staged):
+    """PyMC's linear regression with its mean in an annotated block that checks, where it
+    runs, that the worker offers a GPU: the draws equal those of the model without it."""
+    import pymc as pm
+    from _pymc_models import RNG, X, group_of, linear_regression, trace
+
+    _, idata = trace("linear-regression")
+    with pm.Model(coords={"obs": np.arange(len(X))}) as placed:
+        a = pm.Normal("a", 0.0, 5.0)
+        b = pm.Normal("b", 0.0, 5.0)
+        sigma = pm.HalfNormal("sigma", 1.0)
+        with dt.annotate(resources={"GPU": 1}, name="surrogate"):
+            mu = OnlyWith("GPU")(a + b * X)
+        # (no Deterministic: PyMC would take mu from the trace and never run the block)
+        pm.Normal("y", mu, sigma, observed=RNG.normal(size=30))
+
+    def draws(model, **kwargs):
+        result = dt.sample_posterior_predictive(
+            idata, model=model, random_seed=7, chunks=100, compute=True, progressbar=False,
+            **kwargs,
+        )  # fmt: skip
+        return np.asarray(group_of(result)["y"])
+
+    got = draws(placed, client=staged)
+    np.testing.assert_allclose(got, draws(linear_regression()), rtol=1e-12)

@@ -193,7 +193,7 @@ def map_blocks(
         chunks = batch_chunks + tuple((d,) for d in core)
         if vec.pipeline is None:
             cls = da.Array
-        else:  # (imported here: dask.array is not imported with dasktensor)
+        else:  # (_arrays imports dask.array at its top: not at dasktensor's import)
             from dasktensor.dataparallel._arrays import PipelinedArray as cls
         outs.append(cls(hlg, out_name, chunks, dtype=t.dtype))
     return outs

@@ -90,6 +90,31 @@ class Pipeline:
         The graph's outputs.
     name : str
         The pmap's name: the prefix of every stage's task keys.
+
+    Attributes
+    ----------
+    stages : list of Stage
+        In topological order; each has its ``name``, ``placement``, ``blocks`` (the
+        annotate blocks fused into it) and ``deps`` (the stages it reads).
+    output_sources : list
+        Where each output of the graph comes from (a stage's output, or an input).
+
+    Examples
+    --------
+    A pmap builds one for a graph with ``dt.annotate`` blocks; ``g.plan`` is the latest:
+
+    >>> import numpy as np, pytensor.tensor as pt
+    >>> import dasktensor as dt
+    >>> def fn(x):
+    ...     with dt.annotate(resources={"GPU": 1}, name="surrogate"):
+    ...         y = pt.tanh(x) * 2
+    ...     return y.sum()
+    >>> g = dt.pmap(fn, chunks=2)
+    >>> y = g(np.ones((4, 3)))
+    >>> [(s.name, s.placement.resources) for s in g.plan.stages]
+    [('surrogate', {'GPU': 1}), ('post', None)]
+    >>> np.round(y.compute(), 4)  # on a local scheduler resources are not enforced
+    array([4.5696, 4.5696, 4.5696, 4.5696])
     """
 
     def __init__(self, values: Sequence, rngs: Sequence, outputs: Sequence, name: str):

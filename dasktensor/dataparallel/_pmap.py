@@ -43,9 +43,9 @@ class PMapped:
 
     @property
     def plan(self):
-        """How the latest call runs each chunk: its :class:`Pipeline` of placed stages
-        (printable) when the graph has ``dt.annotate`` blocks, else None (one task per
-        chunk).  The graph is built per argument signature, at the first call."""
+        """How the latest call runs each chunk: its :class:`~dasktensor.Pipeline` of
+        placed stages (printable) when the graph has ``dt.annotate`` blocks, else None
+        (one task per chunk).  The graph is built per argument signature, at a call."""
         if self._last is None:
             raise RuntimeError(
                 "pmap: no plan yet; the graph is built for the arguments of a call: call "
