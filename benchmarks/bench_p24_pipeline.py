@@ -69,6 +69,7 @@ def cluster_of(workers: dict[str, dict]):
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
     env = dict(SINGLE_THREAD_ENV)
+    env["PYTHONWARNINGS"] = "ignore:Numba will use object mode"  # StageWork, on PyTensor 3
     env["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, os.environ.get("PYTHONPATH", "")] if p)
     spec = {
         name: {
@@ -187,7 +188,7 @@ def surrogate_model(annotated: bool):
             else contextlib.nullcontext()
         )
         with block:
-            h = pt.tanh(pt.outer(a * xs + b, w1))
+            h = pt.tanh(pt.outer(a * xs + b, pt.as_tensor(w1)))
             for w in ws:
                 h = pt.tanh(h @ w)
             mu = h @ w2
@@ -307,6 +308,8 @@ def p26(rows: list[Row]) -> None:
 
 def main() -> list[Row]:
     quiet()
+    # StageWork runs its perform in Numba's object mode on PyTensor 3: said once per stage
+    warnings.filterwarnings("ignore", message="Numba will use object mode")
     print(versions_line())
     rows: list[Row] = [load_row(NAME)]
     p24(rows)
