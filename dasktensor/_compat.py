@@ -65,6 +65,16 @@ def inner_graph_on(op, inputs) -> list:
     return [equiv[o] for o in op.inner_outputs]
 
 
+def register_vectorize(op_type: type):
+    """Decorator: ``fn(op, node, *batched_inputs) -> Apply`` is how ``vectorize_graph``
+    vectorises nodes of ``op_type``.  PyTensor's dispatcher for it is private
+    (``pytensor.graph.replace._vectorize_node``, the same on both lines); this is the one
+    place that names it."""
+    from pytensor.graph.replace import _vectorize_node
+
+    return _vectorize_node.register(op_type)
+
+
 _numba_registered: set[type] = set()
 
 

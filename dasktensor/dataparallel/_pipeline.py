@@ -11,7 +11,7 @@ through the caller.
 The cut
 -------
 Blocks (``Placed`` nodes) are anchors.  Every other node is coloured by the blocks among
-its ancestors and among its descendants (:func:`dasktensor.engine.anchors_around`):
+its ancestors and among its descendants (:func:`dasktensor.engine.colour_by`):
 nodes of one colour form a stage that runs on any worker, and stages and blocks form an
 acyclic graph (the argument of the planner's step 1).  Then stages of one *key* are fused
 whenever fusing keeps the graph acyclic: blocks of equal placement (resources, workers,
@@ -46,8 +46,8 @@ from dasktensor.engine import (
     FromTask,
     Placed,
     TaskRunner,
-    anchors_around,
     block_dag,
+    colour_by,
     toposort_blocks,
 )
 
@@ -121,7 +121,7 @@ class Pipeline:
         self.name = name
         values, rngs, outputs = list(values), list(rngs), list(outputs)
         nodes = io_toposort(values + rngs, outputs)
-        groups = _fused(_coloured(nodes))
+        groups = _fused(colour_by(nodes, _is_block))
         rank = {n: i for i, n in enumerate(nodes)}
         groups = [sorted(g, key=rank.__getitem__) for g in groups]
         preds, _ = block_dag(groups)
@@ -249,17 +249,6 @@ def _key(group: Sequence[Apply]) -> Placement:
         if _is_block(n):
             return n.op.dasktensor_placement
     return _ANYWHERE
-
-
-def _coloured(nodes: list[Apply]) -> list[list[Apply]]:
-    """Every block alone; the other nodes grouped by the blocks above and below them."""
-    inside = set(nodes)
-    preds = {n: [i.owner for i in n.inputs if i.owner in inside] for n in nodes}
-    above, below = anchors_around(nodes, preds, _is_block)
-    groups: dict[object, list[Apply]] = {}
-    for n in nodes:
-        groups.setdefault(n if _is_block(n) else (above[n], below[n]), []).append(n)
-    return list(groups.values())
 
 
 def _fused(groups: list[list[Apply]]) -> list[list[Apply]]:

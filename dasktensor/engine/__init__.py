@@ -21,8 +21,8 @@ from dasktensor.engine._annotate import annotate as annotate
 from dasktensor.engine._execute import PlanExecutor as PlanExecutor
 from dasktensor.engine._plan import Plan as Plan
 from dasktensor.engine._plan import Task as Task
-from dasktensor.engine._plan import anchors_around as anchors_around
 from dasktensor.engine._plan import block_dag as block_dag
+from dasktensor.engine._plan import colour_by as colour_by
 from dasktensor.engine._plan import plan_graph as plan_graph
 from dasktensor.engine._plan import toposort_blocks as toposort_blocks
 from dasktensor.engine._resident import release_in_background as release_in_background
@@ -45,9 +45,9 @@ __all__ = [
     "Task",
     "TaskGraph",
     "TaskRunner",
-    "anchors_around",
     "annotate",
     "block_dag",
+    "colour_by",
     "compiling",
     "is_heavy",
     "mark_heavy",

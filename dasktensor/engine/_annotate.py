@@ -24,7 +24,7 @@ import threading
 
 from pytensor.compile.builders import OpFromGraph
 from pytensor.graph.basic import Apply, Constant, Variable
-from pytensor.graph.replace import _vectorize_node, clone_replace, vectorize_graph
+from pytensor.graph.replace import clone_replace, vectorize_graph
 
 from dasktensor import _compat
 from dasktensor._placement import Placement, check_name
@@ -108,7 +108,7 @@ class Placed(OpFromGraph):
             ]
 
 
-@_vectorize_node.register(Placed)
+@_compat.register_vectorize(Placed)
 def _vectorize_placed(op: Placed, node: Apply, *batched_inputs) -> Apply:
     """A placed block over a batch is the placed block of its inner graph vectorised.
 

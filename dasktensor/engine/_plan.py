@@ -289,12 +289,20 @@ def colour(weights: Weights) -> list[Block]:
     list of Block
         The groups, in the order of their first node.
     """
-    nodes = list(weights)
-    preds = {n: [i.owner for i in n.inputs if i.owner is not None] for n in nodes}
-    above, below = anchors_around(nodes, preds, lambda n: weights[n].anchor)
+    return colour_by(list(weights), lambda n: weights[n].anchor)
+
+
+def colour_by(nodes: Sequence[Apply], is_anchor: Callable[[Apply], bool]) -> list[Block]:
+    """Every anchor alone, the other ``nodes`` (in topological order) grouped by the
+    anchors among their ancestors and among their descendants: the groups form a DAG (see
+    the module docstring).  Step 1 of the planner, and how ``dt.pmap`` cuts a graph at
+    its annotated blocks."""
+    inside = set(nodes)
+    preds = {n: [i.owner for i in n.inputs if i.owner in inside] for n in nodes}
+    above, below = anchors_around(nodes, preds, is_anchor)
     groups: dict[object, Block] = {}
     for node in nodes:
-        key = node if weights[node].anchor else (above[node], below[node])
+        key = node if is_anchor(node) else (above[node], below[node])
         groups.setdefault(key, []).append(node)
     return list(groups.values())
 
