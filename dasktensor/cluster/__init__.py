@@ -8,10 +8,12 @@ Everything in dasktensor that talks to a distributed cluster goes through here: 
   (a Client, an address, a local scheduler, or Dask's own resolution at call time) in a
   form that pickles: a Client pickles as its address and each process reconnects lazily
   (:func:`client_for_address`, one Client per process and address).
-* **Resources** (``_workers.py``).  A task asking for resources that no worker offers
-  would wait forever; :func:`check_resources` waits up to
+* **Resources, and asking the workers** (``_workers.py``).  A task asking for
+  resources that no worker offers would wait forever; :func:`check_resources` waits up to
   ``dasktensor.placement.resource-timeout`` for such a worker and raises
   :class:`NoWorkerWithResourcesError` naming what the workers offer.
+  :func:`run_on_workers` runs a function on the workers of a list that the scheduler
+  still lists (Dask would retry a dead one's address for its connect timeout).
 * **Submitting** (``_submit.py``).  :func:`submit` is the one place a task goes to the
   cluster, with its :class:`~dasktensor.Placement` turned into ``client.submit``
   keywords.
@@ -45,6 +47,7 @@ from dasktensor.cluster._submit import submit as submit
 from dasktensor.cluster._submit import task_slot_released as task_slot_released
 from dasktensor.cluster._workers import check_resources as check_resources
 from dasktensor.cluster._workers import offers as offers
+from dasktensor.cluster._workers import run_on_workers as run_on_workers
 from dasktensor.cluster._workers import scheduler_workers as scheduler_workers
 
 __all__ = [
@@ -62,6 +65,7 @@ __all__ = [
     "is_client",
     "lost_scheduler",
     "offers",
+    "run_on_workers",
     "scheduler_workers",
     "show_calls_page",
     "submit",

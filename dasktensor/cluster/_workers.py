@@ -33,6 +33,34 @@ def scheduler_workers(client) -> dict[str, dict]:
     return dict(info.get("workers", {}))
 
 
+def run_on_workers(client, function, *args, workers: Iterable[str], on_error: str = "return"):
+    """``client.run(function, *args)`` on those of ``workers`` that the scheduler lists
+    now: ``{address: result}``.
+
+    ``workers`` is usually a list made a moment before (the replicas' workers, those
+    heard from); one of them may have died since.  The scheduler drops a dead worker as
+    its connection closes, but asked to run something there anyway, Dask's broadcast
+    retries the refused connection until its connect timeout
+    (``distributed.comm.timeouts.connect``, 30 s), holding up the caller: a sharded
+    likelihood waited twice that long to rebuild a killed worker's shard.
+
+    Examples
+    --------
+    >>> from distributed import Client, LocalCluster
+    >>> with LocalCluster(n_workers=1, processes=False) as cluster, Client(cluster) as c:
+    ...     (address,) = scheduler_workers(c)
+    ...     ran = run_on_workers(c, lambda: 1, workers=[address, "tcp://127.0.0.1:9"])
+    ...     gone = run_on_workers(c, lambda: 1, workers=["tcp://127.0.0.1:9"])
+    >>> ran == {address: 1}, gone
+    (True, {})
+    """
+    listed = scheduler_workers(client)
+    alive = [a for a in workers if a in listed]
+    if not alive:
+        return {}
+    return client.run(function, *args, workers=alive, on_error=on_error)
+
+
 def offers(worker_resources: dict, wanted: dict | None) -> bool:
     """Whether a worker offering ``worker_resources`` can run a task wanting ``wanted``."""
     return all((worker_resources or {}).get(k, 0) >= v for k, v in (wanted or {}).items())

@@ -33,7 +33,7 @@ import weakref
 
 from dasktensor._placement import Placement
 from dasktensor._runtime import ProcessState, runtime
-from dasktensor.cluster import submit
+from dasktensor.cluster import run_on_workers, submit
 from dasktensor.remote._spec import ModelSpec
 from dasktensor_worker import tasks
 
@@ -102,7 +102,9 @@ def share(spec: ModelSpec, client, addresses: list[str]) -> None:
     another process) too."""
     lease = lease_of(spec, client)
     if lease is not None and addresses:
-        client.run(tasks.add_lease, spec.key, lease, workers=addresses, on_error="ignore")
+        run_on_workers(
+            client, tasks.add_lease, spec.key, lease, workers=addresses, on_error="ignore"
+        )
 
 
 def hold_resources(spec: ModelSpec, client, addresses: list[str]) -> None:

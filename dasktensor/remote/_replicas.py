@@ -47,6 +47,7 @@ from dasktensor.cluster import (
     check_resources,
     lost_scheduler,
     offers,
+    run_on_workers,
     scheduler_workers,
     show_calls_page,
     submit,
@@ -411,7 +412,7 @@ def check_loadable(client, spec: ModelSpec, modules: list[str], workers: list[st
     does not come back)."""
     if not modules:
         return
-    found = client.run(tasks.missing_modules, modules, workers=workers, on_error="return")
+    found = run_on_workers(client, tasks.missing_modules, modules, workers=workers)
     missing = {a: m for a, m in found.items() if isinstance(m, list) and m}
     if missing:
         names = sorted({n for m in missing.values() for n in m})
@@ -427,7 +428,7 @@ def _endpoints(client, key: str, among: list[str]) -> dict[str, tuple]:
     """``{address: endpoint}`` of the workers among ``among`` that hold model ``key``."""
     if not among:
         return {}
-    found = client.run(tasks.endpoint, key, workers=among, on_error="return")
+    found = run_on_workers(client, tasks.endpoint, key, workers=among)
     return {a: tuple(e) for a, e in found.items() if isinstance(e, tuple | list)}
 
 

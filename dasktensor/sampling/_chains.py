@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dasktensor import _config
-from dasktensor.cluster import carrying, scheduler_workers
+from dasktensor.cluster import carrying, run_on_workers, scheduler_workers
 from dasktensor.sampling._segments import Start, StepMethod, aligned, forget, has_run, run_segment
 
 #: draws of a chain's first segment when its size follows time (it measures the rate)
@@ -149,8 +149,10 @@ class ChainRunner:
 
         def release():
             try:
-                heard = self._heard or None  # not to a worker known to be silent
-                found = self.client.run(forget, self.token, workers=heard, on_error="return")
+                if self._heard:  # not to a worker known to be silent (nor one gone since)
+                    found = run_on_workers(self.client, forget, self.token, workers=self._heard)
+                else:
+                    found = self.client.run(forget, self.token, on_error="return")
                 counted.update((a, n) for a, n in found.items() if isinstance(n, int) and n)
                 self.client.unregister_worker_plugin(name)
             except Exception:  # the cluster is gone: nothing to release
