@@ -38,9 +38,7 @@ def mixed_spec_cluster():
 
 def gpu_worker_address(client) -> str:
     """The address of the worker that offers resources."""
-    (address,) = [
-        a for a, w in scheduler_workers(client).items() if w["resources"]
-    ]
+    (address,) = [a for a, w in scheduler_workers(client).items() if w["resources"]]
     return address
 
 
@@ -76,6 +74,35 @@ def bare_worker(scheduler_address: str):
          "--no-nanny", "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+
+
+def freeze(pid: int, seconds: float = 30.0) -> None:
+    """Stop process ``pid`` (SIGSTOP) and return once each of its threads is stopped.
+
+    ``kill`` returns before the threads stop: each stops itself when next scheduled, and
+    on a loaded machine the frozen worker of a test once answered a call sent 0.1 ms
+    after ``kill`` returned."""
+    import os
+    import signal
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + seconds
+
+    def states() -> set[str]:
+        found = set()
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    found.add(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                pass
+        return found
+
+    while not states() <= {"T", "t"}:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped after {seconds} s: {states()}")
+        time.sleep(0.001)
 
 
 def eventually(check, seconds: float = 15.0):

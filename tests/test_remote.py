@@ -20,12 +20,13 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
-from _clusters import cluster_with_a_bare_worker, local_cluster
+from _clusters import cluster_with_a_bare_worker, eventually, freeze, local_cluster
 from _models import Probe, broken_factory, record_then_sleep
 from pytensor.gradient import verify_grad
 
 import dasktensor as dt
 from dasktensor.cluster import scheduler_workers
+from dasktensor_worker import tasks
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +274,9 @@ def test_a_factory_the_workers_cannot_load_fails_clearly_and_loses_nothing(tmp_p
     from distributed import Client
 
     module = f"only_here_{os.getpid()}"
-    (tmp_path / f"{module}.py").write_text("class Thing:\n    def where(self):\n        return 1\n")
+    (tmp_path / f"{module}.py").write_text(
+        "class Thing:\n    def where(self):\n        return 1\n"
+    )
     with local_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as client:
         sys.path.insert(0, str(tmp_path))  # here, after the worker started: not there
         try:
@@ -281,7 +284,9 @@ def test_a_factory_the_workers_cannot_load_fails_clearly_and_loses_nothing(tmp_p
         finally:
             sys.path.remove(str(tmp_path))
         model = dt.RemoteModel(thing, name="only-here", scheduler=client)
-        with pytest.raises(dt.RemoteModelError, match=rf"cannot import \['{module}'\].*register_pickle_by_value"):
+        with pytest.raises(
+            dt.RemoteModelError, match=rf"cannot import \['{module}'\].*register_pickle_by_value"
+        ):
             model.call("where")
         fine = dt.RemoteModel(Probe, name="probe", scheduler=client)
         assert fine.call("where", 0.0)[0] in client.run(os.getpid).values()
@@ -443,13 +448,12 @@ def test_a_frozen_worker_loses_its_call_to_another_replica():
         model = dt.RemoteModel(Probe, name="probe", replicas=1, workers=[lone], scheduler=client)
         assert model.start() == [lone]
         assert model.call("where", 0.0)[0] == frozen.pid
-        os.kill(frozen.pid, signal.SIGSTOP)
+        freeze(frozen.pid)
         t0 = time.monotonic()
         pid, _ = model.call("where", 0.0)
         waited = time.monotonic() - t0
-        # the other worker as it is now (on a loaded machine it once answered from a new process)
         (other,) = set(scheduler_workers(client)) - {lone}
-        assert pid == client.run(os.getpid, workers=[other])[other]  # a replica built there
+        assert pid == pids[other], f"answered by {pid}, the frozen worker is {frozen.pid}"
         assert waited < 30, waited  # a probe's 1.5 s, not Dask's 30 s nor worker-ttl
         t0 = time.monotonic()
         assert {model.call("where", 0.0)[0] for _ in range(3)} == {pids[other]}
@@ -458,6 +462,14 @@ def test_a_frozen_worker_loses_its_call_to_another_replica():
         assert model.workers() == [other]
         assert set(model.build_counts()) == {other}
         assert [w.address for w in dt.cluster_summary(client).workers if w.models] == [other]
+        t0 = time.monotonic()
+        model.close()  # nor does closing the model
+        assert time.monotonic() - t0 < 10
+        assert client.run(tasks.holds, model.key, workers=[other]) == {other: False}
+        os.kill(frozen.pid, signal.SIGCONT)  # woken, the worker finds the lease gone
+        assert eventually(
+            lambda: client.run(tasks.holds, model.key, workers=[lone]) == {lone: False}
+        )
 
 
 def test_an_idle_connection_is_never_handed_to_another_worker_at_the_same_endpoint():

@@ -34,6 +34,7 @@ import weakref
 from dasktensor._placement import Placement
 from dasktensor._runtime import ProcessState, runtime
 from dasktensor.cluster import run_on_workers, submit
+from dasktensor.remote._probes import answering
 from dasktensor.remote._spec import ModelSpec
 from dasktensor_worker import tasks
 
@@ -156,9 +157,12 @@ def release_in_background(key: str, scheduler, lease: str | None = None) -> None
 
 def give_back(client, key: str, lease: str | None) -> None:
     """Give back ``lease`` on the shared model ``key``: the workers drop their replica
-    when no lease is left (nothing to do without a lease: this process never held it)."""
+    when no lease is left (nothing to do without a lease: this process never held it).
+    A worker that does not answer a probe is not asked (``client.run`` to a frozen worker
+    never returns): it drops the replica at its next ``lease-check`` after it wakes, the
+    lease gone."""
     if lease is not None:
-        client.run(tasks.unlease, key, lease, on_error="ignore")
+        client.run(tasks.unlease, key, lease, workers=answering(client), on_error="ignore")
 
 
 def _release_key(key: str, scheduler, lease: str | None) -> None:
@@ -171,6 +175,6 @@ def _release_key(key: str, scheduler, lease: str | None) -> None:
         if lease is not None:
             give_back(client, key, lease)
         else:
-            client.run(tasks.release, key, on_error="ignore")
+            client.run(tasks.release, key, workers=answering(client), on_error="ignore")
     except Exception:  # the cluster is gone already: nothing left to release
         pass

@@ -537,14 +537,16 @@ def build_counts(spec: ModelSpec) -> dict[str, int]:
 
 def release(spec: ModelSpec) -> None:
     """Drop the model's replicas from the workers, and this process's state of them (a
-    shared model: give back this process's lease)."""
+    shared model: give back this process's lease).  Workers that do not answer a probe
+    are not asked: ``client.run`` to a frozen worker never returns.  The lease dropped
+    here takes their replicas when they wake (their next ``lease-check``)."""
     client = spec.client()
     lease = lease_of(spec, client) if spec.shared else None
     drop(spec.key)
     if spec.shared:
         give_back(client, spec.key, lease)
     else:
-        client.run(tasks.release, spec.key)
+        client.run(tasks.release, spec.key, workers=answering(client))
     state = runtime.state(_Replicas)
     with state.lock:
         state.sets.pop(spec.key, None)
