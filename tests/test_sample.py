@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pymc as pm
 import pytest
-from _clusters import cluster_with_a_bare_worker, local_cluster
+from _clusters import cluster_with_a_bare_worker, freeze, local_cluster
 from _sample_models import PICKLED, RUN, assert_same_draws, groups_of, hierarchical
 
 import dasktensor as dt
@@ -349,16 +349,25 @@ def test_a_result_held_by_a_worker_that_froze_is_made_again(reference, caplog):
 
         def freeze_while_the_caller_is_busy(draw, **_):
             """While the caller records a draw (it fetches no result meanwhile), as
-            soon as the worker holds the result of another chain's segment (one not
-            fetched yet: this chain's is the one being recorded): freeze it."""
+            soon as the worker holds the result of another chain's segment that the
+            caller has not fetched: freeze it.  (A result fetched stays on the worker
+            until Dask releases it, later on a loaded machine: the keys on the worker
+            while a chain's draws are recorded are that chain's fetched ones.)"""
+            if stopped:
+                return
+            here = set(client.has_what([there])[there])
+            fetched.update(k for k in here if str(k).startswith(f"chain_{draw.chain}-"))
             others = tuple(f"chain_{c}-" for c in range(RUN["chains"]) if c != draw.chain)
             deadline = time.monotonic() + 3
-            while not stopped and draw.draw_idx >= 20 and time.monotonic() < deadline:
-                if any(str(k).startswith(others) for k in client.has_what([there])[there]):
-                    os.kill(frozen.pid, signal.SIGSTOP)
+            while draw.draw_idx >= 20 and time.monotonic() < deadline:
+                if any(str(k).startswith(others) and k not in fetched for k in here):
+                    freeze(frozen.pid)
                     stopped.append(True)
+                    break
                 time.sleep(0.02)
+                here = set(client.has_what([there])[there])
 
+        fetched: set = set()
         stopped: list[bool] = []
         with caplog.at_level(logging.INFO, logger="dasktensor.sample"), hierarchical():
             idata = dt.sample(**RUN, client=client, checkpoint_every=5,
