@@ -119,8 +119,8 @@ def connect(
     -------
     distributed.Client
         ``client.dashboard_link`` is the dashboard's address; ``dt.calls_link(client)``
-        its page of remote-model calls and resident stages (``/individual-dasktensor-calls``), which
-        the task stream does not show.
+        its page of remote-model calls and resident stages
+        (``/individual-dasktensor-calls``), which the task stream does not show.
 
     Raises
     ------

@@ -172,7 +172,9 @@ class UMBridgeServer:
         self._http.owner = self
         self.port = self._http.server_address[1]
         shown = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
-        self.url = f"http://[{shown}]:{self.port}" if ":" in shown else f"http://{shown}:{self.port}"
+        self.url = (
+            f"http://[{shown}]:{self.port}" if ":" in shown else f"http://{shown}:{self.port}"
+        )
         self._thread = threading.Thread(
             target=self._http.serve_forever, kwargs={"poll_interval": 0.2},
             name=f"dasktensor-umbridge-{self.port}", daemon=True,
@@ -229,7 +231,9 @@ class UMBridgeServer:
                          "/ModelInfo, /InputSizes, /OutputSizes, " + ", ".join(
                              f"/{f}" for f in _FEATURES))  # fmt: skip
         if not served.support[route]:
-            raise _Reply(400, "UnsupportedFeature", f"{route} not supported by model {served.name!r}!")
+            raise _Reply(
+                400, "UnsupportedFeature", f"{route} not supported by model {served.name!r}!"
+            )
         inputs, outputs = self._sizes(served, config)
         parameters = body.get("input")
         if not isinstance(parameters, list) or len(parameters) != len(inputs):
