@@ -28,7 +28,6 @@ module (``dasktensor.remote._replicas``, ``dasktensor.remote._calls``).
 
 from __future__ import annotations
 
-import select
 import socket
 import ssl
 import threading
@@ -45,9 +44,17 @@ class WireRefused(ConnectionError):
 
 
 class Connection:
-    """One socket to a worker's call server."""
+    """One socket to a worker's call server; ``slot``: the one thread of this process
+    that may busy-poll for its reply at a time (see :class:`wire.BusyPoll`)."""
 
-    def __init__(self, address: str, endpoint: tuple, context, timeout: float | None = None):
+    def __init__(
+        self,
+        address: str,
+        endpoint: tuple,
+        context,
+        timeout: float | None = None,
+        slot: threading.Lock | None = None,
+    ):
         host, port, tls = endpoint
         self.address, self.endpoint = address, endpoint
         if timeout is None:
@@ -66,7 +73,9 @@ class Connection:
                 ) from e
         sock.settimeout(None)
         self.sock = sock
+        self.timeout: float | None = None  # the socket's (set only when it changes)
         self.reader = sock.makefile("rb")
+        self.waiter = wire.BusyPoll(sock, _config.seconds("remote.busy-poll"), slot)
 
     def send(self, frames: list) -> None:
         """Write one message, as :func:`wire.dumps` gives it."""
@@ -74,16 +83,18 @@ class Connection:
 
     def reply(self, timeout: float | None = None):
         """The reply to the request sent; ``TimeoutError`` after ``timeout`` seconds."""
-        self.sock.settimeout(timeout)
+        if timeout is not None and not self.waiter.wait(timeout):
+            raise TimeoutError(f"no reply within {timeout:g} s")
+        if timeout != self.timeout:
+            self.sock.settimeout(timeout)
+            self.timeout = timeout
         return wire.recv(self.reader)
 
     def readable(self, timeout: float) -> bool:
         """Whether the reply starts arriving within ``timeout`` seconds (nothing is read:
-        requests and replies alternate, so no byte of the reply is buffered yet)."""
-        pending = getattr(self.sock, "pending", None)  # TLS: bytes decrypted already
-        if pending is not None and pending():
-            return True
-        return bool(select.select([self.sock], [], [], timeout)[0])
+        requests and replies alternate, so no byte of the reply is buffered yet); the
+        thread busy-polls first (:class:`wire.BusyPoll`)."""
+        return self.waiter.wait(timeout)
 
     def close(self) -> None:
         try:
@@ -104,6 +115,8 @@ class Channel(ProcessState):
         self.idle: dict[tuple, list[Connection]] = {}  # (address, endpoint) -> connections
         self.contexts: dict = {}
         self.lock = threading.Lock()
+        #: the one thread at a time that busy-polls for a reply (wire.BusyPoll)
+        self.poll_slot = threading.Lock()
 
     def send(
         self, address: str, endpoint: tuple, security, message, timeout: float | None = None
@@ -123,7 +136,7 @@ class Channel(ProcessState):
             except OSError:  # the worker closed it (restarted, or gone): try a fresh one
                 conn.close()
         context = self._context(endpoint, address, security)
-        conn = Connection(address, endpoint, context, timeout)
+        conn = Connection(address, endpoint, context, timeout, self.poll_slot)
         try:
             conn.send(frames)
         except BaseException:
