@@ -120,16 +120,15 @@ def options_of(target) -> dict | None:
 
 
 class _Call:
-    """One waiting call: its arguments, and where its outcome goes."""
+    """One waiting call: its arguments, its group, and where its outcome goes."""
 
-    __slots__ = ("args", "arrived", "done", "error", "event", "lead", "result", "signature")
+    __slots__ = ("args", "arrived", "done", "error", "group", "result", "signature")
 
-    def __init__(self, args: Sequence):
+    def __init__(self, args: Sequence, group: _Group, arrived: float):
         self.args = tuple(args)
         self.signature = tuple(_signature(a) for a in self.args)
-        self.arrived = time.monotonic()
-        self.event = threading.Event()  # set when done, or when handed the lead
-        self.lead = False
+        self.arrived = arrived
+        self.group = group
         self.done = False
         self.result = self.error = None
 
@@ -137,6 +136,21 @@ class _Call:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+class _Group:
+    """The calls one thread waits for: one call, or the calls of one message that a
+    caller process combined (its threads' calls of the same method).  The thread leads
+    (runs batches) or waits until all its calls are done."""
+
+    __slots__ = ("calls", "event", "lead", "left")
+
+    def __init__(self, arguments: Sequence[Sequence]):
+        arrived = time.monotonic()
+        self.calls = [_Call(args, self, arrived) for args in arguments]
+        self.left = len(self.calls)  # not done yet
+        self.event = threading.Event()  # set when all are done, or when handed the lead
+        self.lead = False
 
 
 def _signature(value) -> tuple:
@@ -200,36 +214,42 @@ class Batcher:
 
     def call(self, args: Sequence):
         """Run one call (from its connection's thread) as part of a batch; its result."""
-        call = _Call(args)
+        return self.call_many([args])[0].outcome()
+
+    def call_many(self, arguments: Sequence[Sequence]) -> list[_Call]:
+        """Run several calls (a caller process's combined message) as part of batches;
+        the calls, done (``outcome()`` gives each one's result or raises its error)."""
+        group = _Group(arguments)
         with self.lock:
-            self.queue.append(call)
+            self.queue.extend(group.calls)
             self.arrived.notify()
             if self.leaders < self.limit:
                 self.leaders += 1
-                call.lead = True
-        if not self._wait(call):
-            self._lead(call)
-        return call.outcome()
+                group.lead = True
+        if not self._wait(group):
+            self._lead(group)
+        return group.calls
 
-    def _wait(self, call: _Call) -> bool:
-        """Wait until ``call`` is done (True) or handed the lead (False)."""
-        while not call.lead:
-            call.event.wait()
-            with self.lock:  # (done, lead and the event change under the lock only)
-                if call.done and not call.lead:
+    def _wait(self, group: _Group) -> bool:
+        """Wait until ``group``'s calls are done (True) or it is handed the lead (False)."""
+        while not group.lead:
+            group.event.wait()
+            with self.lock:  # (left, lead and the event change under the lock only)
+                if not group.left and not group.lead:
                     return True
-                call.event.clear()
+                group.event.clear()
         return False
 
-    def _lead(self, mine: _Call) -> None:
-        """Run batches from the queue until ``mine`` is done, then hand the lead on."""
+    def _lead(self, mine: _Group) -> None:
+        """Run batches from the queue until ``mine``'s calls are done, then hand the lead
+        on."""
         while True:
             with self.lock:
-                if mine.done or not self.queue:
+                if not mine.left or not self.queue:
                     self._hand_on(mine)
-                    if mine.done:
+                    if not mine.left:
                         return
-                    batch = None  # mine runs in another leader's batch
+                    batch = None  # mine run in other leaders' batches
                 else:
                     batch = self._take()
             if batch is None:
@@ -244,14 +264,15 @@ class Batcher:
                     batch += self._wait_for_more(batch, deadline, self.last[0])
             self._run(batch)
 
-    def _hand_on(self, mine: _Call) -> None:
-        """Give up the lead (called with the lock held): to the oldest waiting call, or
-        to nobody when none waits."""
+    def _hand_on(self, mine: _Group) -> None:
+        """Give up the lead (called with the lock held): to the group of the oldest
+        waiting call, or to nobody when none waits."""
         mine.lead = False
         for waiting in self.queue:
-            if not waiting.lead:
-                waiting.lead = True
-                waiting.event.set()
+            group = waiting.group
+            if not group.lead:
+                group.lead = True
+                group.event.set()
                 return
         self.leaders -= 1
 
@@ -308,7 +329,10 @@ class Batcher:
                 else:
                     c.result = results[i]
                 c.done = True
-                c.event.set()
+                group = c.group
+                group.left -= 1
+                if not group.left:
+                    group.event.set()
             self.batches += 1
             self.calls += len(batch)
         if self.record is not None:
@@ -326,17 +350,26 @@ class Batcher:
                     f"(one per call), got {_describe(results)}"
                 )
             return list(results)
-        out = self.method(*(np.stack(col) for col in columns))
-        outputs = out if isinstance(out, tuple | list) else (out,)
+        out = self.method(*(_stack(col) for col in columns))
+        several = isinstance(out, tuple | list)
+        outputs = out if several else (out,)
         for o in outputs:
             if np.ndim(o) == 0 or len(o) != n:
                 raise ValueError(
                     f"a batched method must return its outputs stacked along a first axis of "
                     f"one row per call: {n} call(s), got {_describe(out)}"
                 )
-        if isinstance(out, tuple | list):
-            return [type(out)(o[i] for o in outputs) for i in range(n)]
-        return [out[i] for i in range(n)]
+        if several:
+            rows = zip(*outputs)
+            return list(rows) if type(out) is tuple else [type(out)(r) for r in rows]
+        return list(out)
+
+
+def _stack(column: tuple):
+    """The arguments of a batch's calls stacked along a new first axis (a copy)."""
+    if len(column) == 1 and type(column[0]) is np.ndarray:  # (np.stack's result, faster)
+        return column[0][None].copy()
+    return np.stack(column)
 
 
 def _describe(value) -> str:

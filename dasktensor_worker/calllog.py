@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
+from itertools import accumulate
 
 #: the worker handler the dashboard page asks for records
 LOG_HANDLER = "dasktensor_call_log"
@@ -62,20 +64,28 @@ class CallLog:
         self.inflight: dict[str, int] = {}
         self.lock = threading.Lock()
 
-    def started(self, name: str) -> float:
-        """Count a call of model ``name`` in flight; its start time."""
+    def started(self, name: str, n: int = 1) -> float:
+        """Count ``n`` calls of model ``name`` in flight; their start time."""
         with self.lock:
-            self.inflight[name] = self.inflight.get(name, 0) + 1
+            self.inflight[name] = self.inflight.get(name, 0) + n
         return time.time()
 
     def finished(
-        self, name: str, method: str | None, start: float, status: str, record: bool = True
+        self,
+        name: str,
+        method: str | None,
+        start: float,
+        status: str,
+        record: bool = True,
+        n: int = 1,
     ) -> None:
         """A call that ended with ``status`` (``"OK"`` or ``"error"``): no longer in flight,
-        and recorded unless ``record`` is false (a batched call: its batch is recorded)."""
+        and recorded unless ``record`` is false (a batched call: its batch is recorded);
+        ``n`` such calls, not recorded (the calls of one message, recorded by their
+        batches)."""
         stop = time.time()
         with self.lock:
-            self.inflight[name] = max(self.inflight.get(name, 1) - 1, 0)
+            self.inflight[name] = max(self.inflight.get(name, n) - n, 0)
             if record:
                 self._record(name, method or "__call__", start, stop, 1, status)
 
@@ -96,12 +106,10 @@ class CallLog:
         by_method = by_model.setdefault("__call__" if method is None else str(method), [0, 0])
         by_method[0] += size
         by_method[1] += errors
+        # per bucket here (one bisect a record); made cumulative when read (since())
         counts = self.durations.setdefault(name, [0] * (len(BUCKETS) + 1) + [0.0])
         seconds = stop - start
-        for i, bound in enumerate(BUCKETS):
-            if seconds <= bound:
-                counts[i] += size
-        counts[len(BUCKETS)] += size
+        counts[bisect_left(BUCKETS, seconds)] += size
         counts[-1] += size * seconds
 
     def since(self, when: float) -> dict:
@@ -115,7 +123,7 @@ class CallLog:
                 records.append(list(record))
             totals = {name: list(t) for name, t in self.totals.items()}
             methods = {n: {m: list(t) for m, t in ms.items()} for n, ms in self.methods.items()}
-            durations = {name: list(c) for name, c in self.durations.items()}
+            durations = {name: _cumulative(c) for name, c in self.durations.items()}
             inflight = {name: n for name, n in self.inflight.items() if n}
         records.reverse()
         return {
@@ -126,3 +134,13 @@ class CallLog:
             "inflight": inflight,
             "now": time.time(),
         }
+
+
+def _cumulative(counts: list) -> list:
+    """Counts per bucket (the last: over the last bound), then the sum of durations ->
+    calls of at most each bound, all calls, the sum (what the monitor reads).
+
+    >>> _cumulative([1, 0, 2, 5.0])
+    [1, 1, 3, 5.0]
+    """
+    return [*accumulate(counts[:-1]), counts[-1]]

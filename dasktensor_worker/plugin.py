@@ -102,7 +102,14 @@ class ModelHost(WorkerPlugin):
         context = None
         if address.startswith("tls://"):
             context = worker.security.get_listen_args("worker")["ssl_context"]
-        self.server = WireServer(_listen_host(address), self.answer, context)
+        busy_poll = parse_timedelta(dask.config.get("dasktensor.remote.busy-poll", "200us"))
+        self.server = WireServer(
+            _listen_host(address),
+            self.answer,
+            context,
+            busy_poll=busy_poll,
+            answer_many=self.answer_many,
+        )
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # called outside a worker's event loop: no lease checks
@@ -215,7 +222,9 @@ class ModelHost(WorkerPlugin):
 
     def answer(self, key: str, method: str | None, args: Sequence) -> tuple:
         """Run one call (on the server's thread): ``("OK", result)``, ``("missing", None)``
-        (no such replica here) or ``("error", message)``."""
+        (no such replica here) or ``("error", message)``.  The reply to a call of a
+        batched method says so, ``("OK", result, "batched")``: its callers may then send
+        their concurrent calls of it in one message (:meth:`answer_many`)."""
         replica = self.replicas.get(key)
         if replica is None:
             return ("missing", None)
@@ -228,7 +237,29 @@ class ModelHost(WorkerPlugin):
         finally:  # a batched call is recorded with its batch
             alone = replica.batchers.get(method) is None
             self.calls.finished(replica.name, method, start, status, record=alone)
-        return ("OK", result)
+        return ("OK", result) if alone else ("OK", result, "batched")
+
+    def answer_many(self, key: str, method: str | None, calls: Sequence[Sequence]) -> tuple:
+        """Run the calls of one message, ``model.<method>(*args)`` for each ``args`` of
+        ``calls`` (a caller process's threads' concurrent calls of a batched method):
+        ``("many", [reply, ...])``, one reply per call as :meth:`answer` gives them, or
+        ``("missing", None)``.  A batched method's calls join its batches at once, with
+        the calls of other connections; others run one after another."""
+        replica = self.replicas.get(key)
+        if replica is None:
+            return ("missing", None)
+        try:
+            batcher = replica.batcher(method)
+        except Exception as e:  # no such method: every call's error
+            return ("many", [error_reply(e)] * len(calls))
+        if batcher is None:
+            return ("many", [self.answer(key, method, args) for args in calls])
+        self.calls.started(replica.name, len(calls))
+        try:
+            done = batcher.call_many(calls)
+        finally:  # (the batches are recorded by the batcher)
+            self.calls.finished(replica.name, method, 0.0, "OK", record=False, n=len(calls))
+        return ("many", [_outcome(c) for c in done])
 
     async def call_log(self, since: float = 0.0) -> dict:
         """The ``dasktensor_call_log`` handler: the call log since ``since`` (see
@@ -270,6 +301,15 @@ class CallLogHandler(WorkerPlugin):
 
 async def _empty_call_log(since: float = 0.0) -> dict:
     return {**CallLog().since(float(since)), "models": {}}
+
+
+def _outcome(call) -> tuple:
+    """The reply to one call of a batch (``batching._Call``); its error raised here, so
+    that the reply carries its traceback (``error_reply`` reads the one being handled)."""
+    try:
+        return ("OK", call.outcome())
+    except Exception as e:
+        return error_reply(e)
 
 
 def _listen_host(address: str) -> str:

@@ -51,7 +51,10 @@ class Replica:
         self.batchers_lock = threading.Lock()
         self.name = name
         self.concurrency = concurrency
-        self.slots = threading.BoundedSemaphore(concurrency)
+        # (a plain lock for one slot: a semaphore is Python code, a lock a C call)
+        self.slots = (
+            threading.Lock() if concurrency == 1 else threading.BoundedSemaphore(concurrency)
+        )
         #: set once the worker drops the replica (released, lease gone, plugin removed):
         #: ends the task that holds the model's resources (``tasks.hold_resources``)
         self.released = threading.Event()

@@ -13,6 +13,7 @@ import re
 import signal
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -216,6 +217,41 @@ def test_many_threads_many_calls_each_get_their_own_result_and_the_lead_is_given
     assert b.batches < b.calls  # some ran together
 
 
+def test_the_calls_of_one_message_join_the_batches_of_other_callers():
+    model = Slow(delay=0.05)
+    b = batcher(model, "logp_grad")
+    first = threading.Thread(target=b.call, args=((np.zeros(2),),))
+    first.start()  # leads a batch of one, for 50 ms
+    time.sleep(0.01)
+    groups = {}
+
+    def many(i):
+        rows = [(np.array([float(i), float(k)]),) for k in range(5)]
+        groups[i] = [c.outcome() for c in b.call_many(rows)]
+
+    threads = [threading.Thread(target=many, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in [first, *threads]:
+        t.join()
+    assert model.sizes == [1, 15]  # three messages of five calls: one batch
+    for i, outs in groups.items():
+        assert [float(logp) for logp, _ in outs] == [-0.5 * (i * i + k * k) for k in range(5)]
+    assert b.leaders == 0 and not b.queue
+
+
+def test_a_message_larger_than_max_size_runs_in_several_batches():
+    class Small:
+        @batched(max_size=4, wait=0)
+        def double(self, x):
+            return 2 * x
+
+    b = batcher(Small(), "double")
+    out = b.call_many([(np.array([float(k)]),) for k in range(10)])
+    assert [float(c.outcome()[0]) for c in out] == [2.0 * k for k in range(10)]
+    assert (b.batches, b.calls, b.leaders) == (3, 10, 0)
+
+
 def test_unstacked_batches_get_lists_and_return_one_result_per_call():
     b = batcher(Slow(), "names")
     out = together(b.call, [(f"c{i}", i) for i in range(5)], threads=5)
@@ -341,7 +377,63 @@ def test_max_size_1_serves_each_remote_call_alone(client):
     model.close()
 
 
-def test_a_worker_killed_mid_batch_has_each_caller_retried_elsewhere(tmp_path):
+def combined(model, method: str) -> bool:
+    """Whether this process sends its threads' calls of ``method`` in one message (it
+    does once a reply said the method is batched)."""
+    from dasktensor._runtime import runtime
+    from dasktensor.remote._calls import _Combiners
+
+    return (model._spec.key, method) in runtime.state(_Combiners).by_method
+
+
+def test_many_threads_calls_travel_in_one_message_and_each_gets_its_own_row(client):
+    model = dt.RemoteModel(Surrogate, name="combined-rows", replicas=1, scheduler=client)
+    local = Surrogate(delay=0)
+    first = model.call("logp_grad", np.array([0.0, 0.0]))  # the reply says: batched
+    assert first[0] == local.logp_grad_alone(np.array([0.0, 0.0]))[0]
+    assert combined(model, "logp_grad") and not combined(model, "logp_grad_alone")
+    thetas = [np.array([0.01 * i, 0.002 * k]) for i in range(32) for k in range(4)]
+    out = together(lambda t: model.call("logp_grad", t), thetas, threads=32)
+    for t, (logp, grad) in zip(thetas, out):
+        want_logp, want_grad = local.logp_grad_alone(t)
+        assert logp == want_logp  # bit for bit, whatever message and batch it was in
+        np.testing.assert_array_equal(grad, want_grad)
+    sizes = batch_sizes(client, "combined-rows")
+    assert sum(sizes) == 1 + len(thetas) and max(sizes) > 8, sizes
+    model.close()
+
+
+class Picky:
+    """A batched model whose batches fail when one of their rows is negative."""
+
+    @batched
+    def double(self, x):
+        time.sleep(0.01)
+        if (x < 0).any():
+            raise FloatingPointError(f"a negative row among {len(x)}")
+        return 2 * x
+
+
+def test_a_failing_batch_of_a_combined_message_reaches_each_of_its_callers(client):
+    model = dt.RemoteModel(Picky, name="picky", replicas=1, scheduler=client)
+    np.testing.assert_array_equal(model.call("double", np.ones(2)), [2.0, 2.0])
+    assert combined(model, "double")
+    rows = [np.full(2, float(i if i % 7 else -i - 1)) for i in range(40)]
+    out = together(lambda x: model.call("double", x), rows, threads=20)
+    for x, got in zip(rows, out):
+        if isinstance(got, Exception):  # its batch held a negative row
+            assert isinstance(got, FloatingPointError) and "negative row" in str(got), got
+            remote = "".join(traceback.format_tb(got.__traceback__))
+            assert "in double" in remote and "dasktensor_worker" in remote, remote
+        else:
+            np.testing.assert_array_equal(got, 2 * x)
+    assert all(isinstance(out[i], FloatingPointError) for i in range(0, 40, 7))
+    np.testing.assert_array_equal(model.call("double", np.ones(2)), [2.0, 2.0])  # serves on
+    model.close()
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["one-message-each", "combined"])
+def test_a_worker_killed_mid_batch_has_each_caller_retried_elsewhere(tmp_path, warm):
     from distributed import Client
 
     pidfile = tmp_path / "pids"
@@ -350,6 +442,10 @@ def test_a_worker_killed_mid_batch_has_each_caller_retried_elsewhere(tmp_path):
             functools.partial(Surrogate, 1.0, str(pidfile)), name="killed", scheduler=c
         )
         assert len(model.start()) == 2
+        if warm:  # the threads' calls then travel in messages of several calls
+            model.call("logp_grad", np.zeros(2))
+            assert combined(model, "logp_grad")
+            pidfile.unlink()
 
         def kill_the_first_batch():
             while not pidfile.exists():
@@ -358,8 +454,8 @@ def test_a_worker_killed_mid_batch_has_each_caller_retried_elsewhere(tmp_path):
 
         killer = threading.Thread(target=kill_the_first_batch)
         killer.start()
-        thetas = [np.array([0.1 * i, 0.0]) for i in range(6)]
-        out = together(lambda t: model.call("logp_grad", t), thetas, threads=6)
+        thetas = [np.array([0.1 * i, 0.0]) for i in range(12 if warm else 6)]
+        out = together(lambda t: model.call("logp_grad", t), thetas, threads=len(thetas))
         killer.join()
         local = Surrogate(delay=0)
         for t, result in zip(thetas, out):

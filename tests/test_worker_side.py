@@ -11,6 +11,7 @@ import pkgutil
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -152,6 +153,52 @@ def test_the_server_answers_a_broken_request_with_an_error_and_keeps_the_connect
 
 def _refuse():
     raise ValueError("refused on the worker")
+
+
+def test_a_request_of_several_calls_gets_one_reply_per_call_and_bad_ones_an_error():
+    def answer(key, method, args):
+        return ("OK", 2 * args[0]) if args[0] else ("error", {"exception_text": "zero"})
+
+    server = wire.WireServer("127.0.0.1", answer)
+    try:
+        with socket.create_connection(server.address) as sock:
+            reader = sock.makefile("rb")
+            wire.send(sock, ("key", "m", [(1,), (0,), (np.float64(2.5),)], wire.MANY))
+            many = wire.recv(reader)
+            wire.send(sock, ("key", "m", 7, wire.MANY))  # calls that are not a list
+            broken = wire.recv(reader)
+            wire.send(sock, ("key", "m", (3,)))  # the connection is still usable
+            after = wire.recv(reader)
+    finally:
+        server.close()
+    assert many == ("many", [("OK", 2), ("error", {"exception_text": "zero"}), ("OK", 5.0)])
+    assert broken[0] == "error" and "int" in broken[1]["exception_text"]
+    assert after == ("OK", 6)
+
+
+def test_busy_poll_says_whether_a_message_came_and_stops_polling_after_a_miss():
+    import threading
+
+    a, b = socket.socketpair()
+    try:
+        waiter = wire.BusyPoll(a, 0.05, threading.Lock())
+        t0 = time.perf_counter()
+        assert not waiter.wait(0.2)  # nothing came: polled, then slept, 0.2 s in all
+        assert 0.15 < time.perf_counter() - t0 < 2
+        assert waiter._skip == 1  # the next wait sleeps at once
+        threading.Timer(0.01, b.send, (b"x",)).start()
+        assert waiter.wait(1.0)
+        assert a.recv(1) == b"x"
+        b.send(b"y")  # came before the wait: no polling needed
+        assert waiter.wait(0) and a.recv(1) == b"y"
+        taken = threading.Lock()
+        taken.acquire()  # another thread polls: this one sleeps
+        busy = wire.BusyPoll(a, 10.0, taken)
+        t0 = time.perf_counter()
+        assert not busy.wait(0.05) and time.perf_counter() - t0 < 1
+    finally:
+        a.close()
+        b.close()
 
 
 # ----------------------------------------------------------------------------- the plugin
