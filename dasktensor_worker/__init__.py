@@ -24,6 +24,8 @@ Modules:
 * :mod:`dasktensor_worker.calllog`: each worker's log of the calls it answered;
 * :mod:`dasktensor_worker.monitor`: the scheduler's channel monitor, which gathers the
   call logs for the dashboard page, the Prometheus metrics and ``dt.Adaptive``;
+* :mod:`dasktensor_worker.pages`: ``CallsPage``, the scheduler plugin a client registers
+  to start the monitor and add its page (no Bokeh);
 * :mod:`dasktensor_worker.dashboard`: the dashboard's calls page (Bokeh; ``dask scheduler
   --preload dasktensor_worker.dashboard``).
 

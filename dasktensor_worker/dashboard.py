@@ -44,7 +44,6 @@ from bokeh.models import (
 )
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
-from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
 from dasktensor_worker.monitor import monitor_of
@@ -308,32 +307,9 @@ def _list_in_menu(scheduler) -> None:
         plots.sort(key=lambda p: p["name"])
 
 
-class CallsPage(SchedulerPlugin):
-    """Put the page on the scheduler's dashboard, and start its channel monitor.
-
-    Registered by remote models, ``dt.connect`` and ``dt.calls_link`` (idempotent);
-    ``client.register_plugin(CallsPage())`` does it by hand.
-
-    Examples
-    --------
-    >>> import distributed
-    >>> from dasktensor_worker.dashboard import CallsPage
-    >>> local = dict(processes=False, n_workers=1, dashboard_address="127.0.0.1:0")
-    >>> with distributed.Client(**local) as c:  # doctest: +SKIP
-    ...     c.register_plugin(CallsPage())
-    ...     print(c.dashboard_link.replace("/status", "/individual-dasktensor-calls"))
-    http://127.0.0.1:.../individual-dasktensor-calls
-    """
-
-    name = "dasktensor-calls-page"
-    idempotent = True
-
-    async def start(self, scheduler) -> None:
-        monitor_of(scheduler)
-        add_page(scheduler)
-
-
 async def dask_setup(scheduler) -> None:
     """``dask scheduler --preload dasktensor_worker.dashboard``: start the channel
-    monitor (the import of this module has listed the page already)."""
-    await scheduler.register_scheduler_plugin(CallsPage(), idempotent=True)
+    monitor (the import of this module has listed the page already), and the redirect;
+    what ``dasktensor_worker.pages.CallsPage``, which clients register, does too."""
+    monitor_of(scheduler)
+    add_page(scheduler)

@@ -21,8 +21,9 @@ demand.  It also keeps scale-down off the workers it must not close
 (:meth:`ChannelMonitor.valid_workers_downscaling`): those with calls in flight, and the
 last holder of a model still in use.
 
-The dashboard's page (:class:`dasktensor_worker.dashboard.CallsPage`, a plugin of its
-own) starts the monitor with it: a remote model registers the page when it first finds
+The dashboard's page (:class:`dasktensor_worker.pages.CallsPage`, a plugin of its own,
+Bokeh-free: the page's module is imported only on a scheduler that serves a Bokeh
+dashboard) starts the monitor with it: a remote model registers the page when it first finds
 its replicas on a cluster (idempotent), so do ``dt.connect`` and a scheduler started with
 ``dask scheduler --preload dasktensor_worker.dashboard``; ``dt.Adaptive`` starts the
 monitor alone if it finds none.  This module imports no Bokeh: a scheduler without it

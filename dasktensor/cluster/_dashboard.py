@@ -48,13 +48,10 @@ def show_calls_page(client) -> None:
     if key in shown:
         return
     shown.add(key)
-    try:
-        from dasktensor_worker.dashboard import CallsPage as plugin
-    except ImportError:  # no Bokeh here: the monitor alone (metrics, demand)
-        from dasktensor_worker.monitor import ChannelMonitor as plugin
+    from dasktensor_worker.pages import CallsPage  # (no Bokeh: the scheduler's business)
 
     try:
-        client.register_plugin(plugin())
+        client.register_plugin(CallsPage())
     except Exception as e:  # the calls still work: say once what is missing
         warnings.warn(
             f"the channel monitor (the dashboard's calls page, the dasktensor metrics, "
