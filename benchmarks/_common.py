@@ -173,12 +173,16 @@ def _limit_blas_in_worker(n: int = 1) -> list[int]:
 
 
 @contextlib.contextmanager
-def local_cluster(n_workers: int, threads_per_worker: int = 1, **kwargs):
+def local_cluster(
+    n_workers: int, threads_per_worker: int = 1, env: Mapping[str, str] | None = None, **kwargs
+):
     """A ``LocalCluster`` on 127.0.0.1 with single-threaded BLAS in its workers.
 
-    Yields a ``Client`` (not set as the default client); cluster and client are always
-    closed on exit.
+    ``env``: more environment variables for the worker processes (added to, or
+    overriding, the single-threaded BLAS ones).  Yields a ``Client`` (not set as the
+    default client); cluster and client are always closed on exit.
     """
+    extra_env = dict(env or {})
     import dask
     from distributed import Client, LocalCluster
 
@@ -186,6 +190,7 @@ def local_cluster(n_workers: int, threads_per_worker: int = 1, **kwargs):
     # the same PyTensor 2.38 BLAS warning as in quiet(), once per worker otherwise
     env["PYTHONWARNINGS"] = "ignore:PyTensor could not link to a BLAS"
     env["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, os.environ.get("PYTHONPATH", "")] if p)
+    env.update(extra_env)
     kwargs.setdefault("processes", True)
     kwargs.setdefault("dashboard_address", None)  # no dashboard...
     # ...but the scheduler still serves its HTTP routes (health, metrics), by default on

@@ -8,7 +8,11 @@
 * **zmq**: the same bytes through a pyzmq ``REP`` socket (if pyzmq is installed), the
   messaging library a data plane could be built on.
 
-:func:`echo_servers` starts it and gives clients for both.
+:func:`echo_servers` starts it and gives clients for both.  ``python _echo.py --poll``
+serves the tcp echo with both ends busy-polling before they sleep, 200 us at most
+(:func:`polling_echo` starts it): waking a sleeping process is most of a loopback round
+trip on a virtual machine, and dasktensor's channel polls as well
+(``dasktensor.remote.busy-poll``), so this is its floor.
 """
 
 from __future__ import annotations
@@ -23,14 +27,32 @@ import threading
 _LEN = struct.Struct("<I")
 
 
-def _serve_tcp(listener) -> None:
+def _poll_for(sock, seconds: float = 200e-6):
+    """A function that polls ``sock`` for up to ``seconds`` before the caller sleeps."""
+    import select
+    import time
+
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+
+    def wait() -> None:
+        deadline = time.perf_counter() + seconds
+        while not poller.poll(0) and time.perf_counter() < deadline:
+            pass
+
+    return wait
+
+
+def _serve_tcp(listener, poll: bool = False) -> None:
     import numpy as np
 
     while True:
         sock, _ = listener.accept()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reader = sock.makefile("rb")
+        wait = _poll_for(sock) if poll else (lambda: None)
         while True:
+            wait()
             head = reader.read(4)
             if len(head) < 4:
                 break
@@ -50,6 +72,10 @@ def _serve_zmq(sock) -> None:
 def _main() -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     ports = [str(listener.getsockname()[1])]
+    if "--poll" in sys.argv:
+        print(ports[0], flush=True)
+        _serve_tcp(listener, poll=True)
+        return
     try:
         import zmq
 
@@ -63,15 +89,18 @@ def _main() -> None:
 
 
 class TcpEcho:
-    """A client of the tcp echo: ``echo(payload) -> payload``."""
+    """A client of the tcp echo: ``echo(payload) -> payload``; ``poll``: busy-poll for
+    the reply before sleeping."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, poll: bool = False):
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.reader = self.sock.makefile("rb")
+        self.wait = _poll_for(self.sock) if poll else (lambda: None)
 
     def __call__(self, payload: bytes) -> bytes:
         self.sock.sendall(_LEN.pack(len(payload)) + payload)
+        self.wait()
         (n,) = _LEN.unpack(self.reader.read(4))
         return self.reader.read(n)
 
@@ -99,6 +128,19 @@ def echo_servers():
     try:
         tcp, zmq_port = proc.stdout.readline().split()
         yield TcpEcho(int(tcp)), (None if zmq_port == "-" else ZmqEcho(int(zmq_port)))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def polling_echo():
+    """Start the tcp echo whose both ends busy-poll; yield its client; stop it."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--poll"], stdout=subprocess.PIPE, text=True, bufsize=1
+    )
+    try:
+        yield TcpEcho(int(proc.stdout.readline()), poll=True)
     finally:
         proc.kill()
         proc.wait()

@@ -192,3 +192,88 @@ def _register() -> None:
 
 
 _register()
+
+
+class RowSum:
+    """P27: the most trivial batched model, a row sum: what one replica's calls/s is
+    when the model costs (nearly) nothing.  ``rowsum`` batches up to 64 calls;
+    ``rowsum_alone`` is the same method with ``max_size=1`` (every call alone)."""
+
+    @dt_batched(max_size=64)
+    def rowsum(self, x):  # (calls, 8)
+        return x.sum(axis=1)
+
+    @dt_batched(max_size=1)
+    def rowsum_alone(self, x):  # (1, 8)
+        return x.sum(axis=1)
+
+
+class JaxMLP:
+    """P27 (GPU): a JAX MLP surrogate, ``layers`` dense layers of ``width`` units (tanh),
+    from a row of 8 to a scalar, on JAX's default device (a GPU if there is one).
+
+    XLA compiles a function per input shape, slowly (PITFALLS), so a batch is padded up
+    to the next of ``BUCKETS`` rows and the three shapes are compiled (and run once) in
+    ``__init__``.  ``forward`` batches up to 64 calls; ``forward_alone`` is the same
+    method with ``max_size=1``.  Both return ``(y, x.sum(axis=1))``: the row sum, exact
+    in NumPy on the host, lets each caller check that it got its own row back.
+    """
+
+    BUCKETS = (1, 8, 64)
+
+    def __init__(self, width: int = 8192, layers: int = 4, dim: int = 8):
+        import jax
+        import jax.numpy as jnp
+
+        self.width, self.layers, self.dim = int(width), int(layers), int(dim)
+        keys = jax.random.split(jax.random.PRNGKey(0), self.layers + 1)
+        sizes = [self.dim] + [self.width] * self.layers
+        self.weights = [
+            jax.random.normal(keys[i], (sizes[i], sizes[i + 1]), jnp.float32) / np.sqrt(sizes[i])
+            for i in range(self.layers)
+        ]
+        self.out = jax.random.normal(keys[-1], (self.width,), jnp.float32) / np.sqrt(self.width)
+
+        def mlp(weights, out, x):
+            h = x
+            for w in weights:
+                h = jnp.tanh(h @ w)
+            return h @ out
+
+        self._mlp = jax.jit(mlp)
+        for n in self.BUCKETS:  # compile the few shapes now, not in the first calls
+            x = jnp.zeros((n, self.dim), jnp.float32)
+            self._mlp(self.weights, self.out, x).block_until_ready()
+
+    def _run(self, x):  # (calls, dim) -> (calls,)
+        n = len(x)
+        bucket = next((b for b in self.BUCKETS if b >= n), n)
+        padded = np.zeros((bucket, self.dim), np.float32)
+        padded[:n] = x * 0.01
+        return np.asarray(self._mlp(self.weights, self.out, padded))[:n]
+
+    @dt_batched(max_size=64)
+    def forward(self, x):  # (calls, dim)
+        return self._run(x), x.sum(axis=1)
+
+    @dt_batched(max_size=1)
+    def forward_alone(self, x):  # (1, dim)
+        return self._run(x), x.sum(axis=1)
+
+    def backend(self) -> str:
+        """JAX's backend on the worker (``"gpu"``, ``"cpu"``...) and its device."""
+        import jax
+
+        return f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
+
+    def time_forward(self, n: int, repeat: int = 30) -> float:
+        """Median seconds of this replica's work for a batch of ``n`` rows (padding, host
+        to device, the MLP, back to the host), with no call around it."""
+        x = np.arange(n * self.dim, dtype=np.float64).reshape(n, self.dim)
+        self._run(x)
+        samples = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            self._run(x)
+            samples.append(time.perf_counter() - t0)
+        return float(np.median(samples))

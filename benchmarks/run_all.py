@@ -40,6 +40,7 @@ BENCHMARKS = {
     "p20": "bench_p20_umbridge",
     "p22": "bench_p22_serve_umbridge",
     "p24": "bench_p24_pipeline",
+    "p27": "bench_p27_throughput",
 }
 
 
