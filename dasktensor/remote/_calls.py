@@ -367,24 +367,34 @@ class _Combiner:
                     if p.state is None:
                         p.state = "alone"
                     if p is not mine:
-                        p.wake.release()
+                        _wake(p)
                 with self.lock:
                     self._hand_on(mine)
                 raise
             for p in taken:
                 if p is not mine:
-                    p.wake.release()
+                    _wake(p)
 
     def _hand_on(self, mine: _Pending) -> None:
         """Give up the lead (with the lock held): to the oldest call waiting to be sent,
         or to nobody."""
         mine.lead = False
-        if self.queue:
-            waiting = self.queue[0]
-            waiting.lead = True
-            waiting.wake.release()
-        else:
-            self.leaders -= 1
+        for waiting in self.queue:
+            if not waiting.lead:  # (one handed the lead already may not be awake yet)
+                waiting.lead = True
+                _wake(waiting)
+                return
+        self.leaders -= 1
+
+
+def _wake(p: _Pending) -> None:
+    """Wake ``p``'s thread.  A call handed the lead may be taken by another leader, and
+    done, before its thread woke: its two wake-ups then make one, which is enough (a
+    woken thread reads ``state`` before it waits again, and it is set before the wake)."""
+    try:
+        p.wake.release()
+    except RuntimeError:  # released already, not yet taken: the thread is on its way
+        pass
 
 
 def _send_together(spec: ModelSpec, method, taken: list[_Pending], replicas) -> None:
