@@ -17,10 +17,13 @@ from dasktensor._linker import DaskLinker as DaskLinker
 from dasktensor._linker import dask_mode as dask_mode
 from dasktensor._placement import Placement as Placement
 from dasktensor.cluster import Adaptive as Adaptive
+from dasktensor.cluster import ClusterInfo as ClusterInfo
+from dasktensor.cluster import NoGPUError as NoGPUError
 from dasktensor.cluster import NoWorkerWithResourcesError as NoWorkerWithResourcesError
 from dasktensor.cluster import SchedulerLostError as SchedulerLostError
 from dasktensor.cluster import calls_link as calls_link
 from dasktensor.cluster import connect as connect
+from dasktensor.cluster import info as info
 from dasktensor.dataparallel import PMapped as PMapped
 from dasktensor.dataparallel import Pipeline as Pipeline
 from dasktensor.dataparallel import compute_log_likelihood as compute_log_likelihood
@@ -59,12 +62,14 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "Adaptive",
     "ArraysToArraysOp",
+    "ClusterInfo",
     "ClusterSummary",
     "DASK",
     "DaskFunction",
     "DaskLinker",
     "LogpGradOp",
     "LogpOp",
+    "NoGPUError",
     "NoWorkerWithResourcesError",
     "PMapped",
     "Pipeline",
@@ -87,6 +92,7 @@ __all__ = [
     "connect",
     "dask_mode",
     "function",
+    "info",
     "is_heavy",
     "logp_grad_op",
     "logp_op",

@@ -19,6 +19,11 @@ Everything in dasktensor that talks to a distributed cluster goes through here: 
   keywords.
 * **Connecting** (``_connect.py``).  ``dt.connect``: a Client of a running cluster or of
   an embedded ``LocalCluster`` on 127.0.0.1.
+* **GPU workers** (``_gpus.py``, ``_info.py``).  Finding a machine's GPUs without a
+  hard dependency (``CUDA_VISIBLE_DEVICES``, ``nvidia-smi``), choosing them
+  (``dt.connect(gpus=...)``, ``dasktensor worker --gpus``), a GPU worker's options (its
+  device alone visible, ``GPU=1``, memory settings for a GPU stack), and ``dt.info()``:
+  the workers and the devices each one sees.
 * **Errors** (``_errors.py``).  :class:`SchedulerLostError`, and how a lost scheduler is
   recognised.
 * **The channel on Dask's tools** (``_dashboard.py``, ``_adaptive.py``).
@@ -40,8 +45,19 @@ from dasktensor.cluster._connect import connect as connect
 from dasktensor.cluster._dashboard import calls_link as calls_link
 from dasktensor.cluster._dashboard import show_calls_page as show_calls_page
 from dasktensor.cluster._errors import NoWorkerWithResourcesError as NoWorkerWithResourcesError
+from dasktensor.cluster._errors import memory_restart as memory_restart
 from dasktensor.cluster._errors import SchedulerLostError as SchedulerLostError
 from dasktensor.cluster._errors import lost_scheduler as lost_scheduler
+from dasktensor.cluster._gpus import Device as Device
+from dasktensor.cluster._gpus import NoGPUError as NoGPUError
+from dasktensor.cluster._gpus import choose_devices as choose_devices
+from dasktensor.cluster._gpus import cpu_worker_env as cpu_worker_env
+from dasktensor.cluster._gpus import find_devices as find_devices
+from dasktensor.cluster._gpus import gpu_worker_options as gpu_worker_options
+from dasktensor.cluster._gpus import parse_gpus as parse_gpus
+from dasktensor.cluster._info import ClusterInfo as ClusterInfo
+from dasktensor.cluster._info import WorkerInfo as WorkerInfo
+from dasktensor.cluster._info import info as info
 from dasktensor.cluster._submit import carrying as carrying
 from dasktensor.cluster._submit import submit as submit
 from dasktensor.cluster._submit import task_slot_released as task_slot_released
@@ -52,19 +68,30 @@ from dasktensor.cluster._workers import scheduler_workers as scheduler_workers
 
 __all__ = [
     "Adaptive",
+    "ClusterInfo",
+    "Device",
+    "NoGPUError",
+    "WorkerInfo",
     "NoWorkerWithResourcesError",
     "SchedulerLostError",
     "SchedulerRef",
     "calls_link",
     "carrying",
     "check_resources",
+    "choose_devices",
     "client_for_address",
     "configured_address",
     "connect",
+    "cpu_worker_env",
     "default_client",
+    "find_devices",
+    "gpu_worker_options",
+    "info",
     "is_client",
     "lost_scheduler",
+    "memory_restart",
     "offers",
+    "parse_gpus",
     "run_on_workers",
     "scheduler_workers",
     "show_calls_page",

@@ -10,6 +10,12 @@ import dask
 
 from dasktensor import _config
 from dasktensor.cluster._dashboard import list_the_page, show_calls_page
+from dasktensor.cluster._gpus import (
+    choose_devices,
+    cpu_worker_env,
+    find_devices,
+    gpu_worker_options,
+)
 
 
 def configured_address() -> str | None:
@@ -75,6 +81,7 @@ def connect(
     threads_per_worker: int | None = None,
     processes: bool | None = None,
     resources: dict | None = None,
+    gpus=None,
     host: str = "127.0.0.1",
     scheduler_port: int = 0,
     dashboard_address: str | None = None,
@@ -104,6 +111,16 @@ def connect(
         Embedded cluster only: worker count, threads per worker, worker processes (the
         default) or threads, and the resources every worker offers (``{"GPU": 1}``).
         Defaults from ``dasktensor.cluster.*``.
+    gpus : None, "all", int or list of int or str
+        Embedded cluster only: GPU workers beside the ``n_workers`` CPU workers, one
+        worker process per device, as dask-cuda starts them. ``"all"``: every GPU found
+        (``CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi -L``); a count: the first
+        that many; a list: those device ids. Each GPU worker sees its device alone
+        (``CUDA_VISIBLE_DEVICES``), offers ``{"GPU": 1}`` (beside ``resources``), and runs
+        with ``dasktensor.gpu.*``: 1 thread, no host memory limit (the GPU stack's own
+        host memory would otherwise get it restarted), JAX not preallocating the device.
+        The CPU workers then see no device (``CUDA_VISIBLE_DEVICES=""``). None (the
+        default): CPU workers only, their environment untouched.
     host, scheduler_port, dashboard_address
         Embedded cluster only: where the scheduler and the dashboard listen (default
         ``127.0.0.1``, a free port, and ``dasktensor.cluster.dashboard-address``);
@@ -133,6 +150,11 @@ def connect(
     >>> import dasktensor as dt
     >>> client = dt.connect(n_workers=1, dashboard_address=False)  # doctest: +SKIP
     >>> client.close()  # doctest: +SKIP
+
+    Two CPU workers and one worker per GPU of this machine:
+
+    >>> client = dt.connect(n_workers=2, gpus="all")  # doctest: +SKIP
+    >>> print(dt.info(client))  # the devices each worker sees  # doctest: +SKIP
     """
     from distributed import Client
     from distributed.security import Security
@@ -150,14 +172,16 @@ def connect(
                 f"got {address!r}"
             )
         embedded = {"n_workers": n_workers, "threads_per_worker": threads_per_worker,
-                    "processes": processes, "resources": resources}  # fmt: skip
+                    "processes": processes, "resources": resources,
+                    "gpus": gpus}  # fmt: skip
         given = [k for k, v in embedded.items() if v is not None] + list(cluster_kwargs)
         if given:
             raise TypeError(
                 "connect() got an address and options for an embedded cluster "
                 f"({', '.join(given)}): "
                 "workers of an existing cluster are configured where they are started "
-                "(`dask worker ADDRESS --resources 'GPU=1'`)"
+                "(`dask worker ADDRESS --resources 'GPU=1'`; one worker per GPU of a host: "
+                "`dasktensor worker ADDRESS --gpus all`)"
             )
         tls = str(address).startswith("tls://")
         try:
@@ -204,6 +228,7 @@ def connect(
             ) from e
 
     _check_embedded(n_workers, threads_per_worker, resources, cluster_kwargs)
+    devices = _gpu_devices(gpus, processes, resources, cluster_kwargs)
     kwargs = {
         "n_workers": n_workers if n_workers is not None else _config.get("cluster.n-workers"),
         "threads_per_worker": (
@@ -236,6 +261,8 @@ def connect(
         }
     if resources is not None:
         kwargs["resources"] = dict(resources)
+    if devices:
+        kwargs["env"] = {**kwargs.get("env", {}), **cpu_worker_env()}
     # a task asking for resources that no worker offers fails instead of waiting forever
     no_workers = {
         "distributed.scheduler.no-workers-timeout": _config.get("placement.resource-timeout")
@@ -255,8 +282,68 @@ def connect(
             client = Client(
                 cluster, security=security, timeout=timeout_s, set_as_default=set_as_default
             )
+        if devices:
+            _start_gpu_workers(client, devices, resources)
     show_calls_page(client)
     return client
+
+
+def _gpu_devices(gpus, processes, resources, cluster_kwargs) -> list:
+    """The devices ``gpus=`` asks for, checked with the options they could contradict,
+    before anything starts."""
+    if gpus is None:
+        return []
+    given = f"gpus={gpus!r}"
+    if processes is False or (processes is None and not _config.get("cluster.processes")):
+        raise ValueError(
+            f"dt.connect got {given} with worker threads (processes=False): a GPU worker is "
+            "a process of its own, started with its device alone visible; expected "
+            "processes=True (the default)"
+        )
+    if resources and "GPU" in resources:
+        raise ValueError(
+            f"dt.connect got {given} and resources={resources!r}: resources= is what "
+            "every worker offers, CPU workers included, while each GPU worker offers "
+            "{'GPU': 1} of its own; expected resources without 'GPU' beside gpus= (or "
+            "resources={'GPU': ...} without gpus=, for workers that offer it on their own)"
+        )
+    env = cluster_kwargs.get("env") or {}
+    if "CUDA_VISIBLE_DEVICES" in env:
+        raise ValueError(
+            f"dt.connect got {given} and env={{'CUDA_VISIBLE_DEVICES': "
+            f"{env['CUDA_VISIBLE_DEVICES']!r}}}: gpus= sets each worker's "
+            "CUDA_VISIBLE_DEVICES; expected one of the two"
+        )
+    found, how = find_devices()
+    return choose_devices(gpus, found, how)
+
+
+def _start_gpu_workers(client, devices, resources) -> None:
+    """Add a GPU worker per device to the embedded cluster of ``client``, and wait for
+    them; the cluster is stopped if they do not come."""
+    import copy
+
+    cluster = client.cluster
+    before = len(cluster.worker_spec)
+    for device in devices:
+        spec = copy.deepcopy(cluster.new_spec)
+        options = gpu_worker_options(device, resources)
+        # the user's env= (in the CPU workers' spec) under the GPU worker's own
+        cpu_env = {k: v for k, v in spec["options"].get("env", {}).items() if k not in cpu_worker_env()}
+        options["env"] = {**cpu_env, **options["env"]}
+        spec["options"].update(options)
+        cluster.worker_spec[f"gpu-{device.id}"] = spec
+    cluster.scale(len(cluster.worker_spec))  # starts what the spec lists and is not running
+    wait_s = max(60.0, _config.seconds("connect-timeout"))
+    try:
+        client.wait_for_workers(before + len(devices), timeout=wait_s)
+    except TimeoutError as e:
+        client.shutdown()
+        raise RuntimeError(
+            f"dt.connect expected {len(devices)} GPU worker(s) "
+            f"({', '.join(d.describe() for d in devices)}) to join the embedded cluster "
+            f"within {wait_s:g} s; they did not (see the log above)"
+        ) from e
 
 
 def _seconds(timeout) -> float:

@@ -32,3 +32,54 @@ def lost_scheduler(client, error: BaseException | None = None) -> bool:
     if getattr(client, "status", "running") in ("connecting", "closing", "closed", "failed"):
         return True
     return "scheduler-connection-lost" in str(error or "")
+
+
+def memory_restart(client, workers: dict, since: float, wait_s: float = 1.0) -> str | None:
+    """Why a worker of ``workers`` left, when its nanny restarted it for memory after
+    ``since`` (a ``time.time()``): a sentence naming the worker, its memory limit, what it
+    used and how to raise the limit; None when no nanny said so within ``wait_s``.
+
+    A nanny that sees its worker pass ``distributed.worker.memory.terminate`` (95 % of
+    the limit) logs the event ``worker-restart-memory`` (worker, pid, rss) on the
+    scheduler, then terminates the worker; the event may reach the scheduler after the
+    worker's departure, hence the short wait.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    workers : dict
+        ``{address: the scheduler's info on it}`` (its ``memory_limit``), as listed
+        before the work started.
+    since : float
+        When the work started (events before it are not about it).
+    wait_s : float
+        How long to wait for the event.
+    """
+    import time
+
+    from dask.utils import format_bytes
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            events = client.get_events("worker-restart-memory")
+        except Exception:  # noqa: BLE001 - the scheduler gone too: nothing to say
+            return None
+        for stamp, msg in events:
+            address = msg.get("worker") if isinstance(msg, dict) else None
+            if stamp >= since and address in workers:
+                limit = (workers[address] or {}).get("memory_limit") or 0
+                used = msg.get("rss") or 0
+                share = f" ({used / limit:.0%})" if limit else ""
+                return (
+                    f"the nanny of worker {address} restarted it for memory: it used "
+                    f"{format_bytes(used)}{share} of its {format_bytes(limit)} memory limit "
+                    "(the nanny restarts a worker at distributed.worker.memory.terminate, "
+                    "95 % of it). Raise the limit where the worker starts (`dask worker "
+                    "--memory-limit 32GiB`, 0 for none; dt.connect(memory_limit=...)); GPU "
+                    "workers of dt.connect(gpus=...) and `dasktensor worker --gpus` have "
+                    "none by default (dasktensor.gpu.memory-limit)"
+                )
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.1)

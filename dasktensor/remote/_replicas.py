@@ -46,6 +46,7 @@ from dasktensor.cluster import (
     carrying,
     check_resources,
     lost_scheduler,
+    memory_restart,
     offers,
     run_on_workers,
     scheduler_workers,
@@ -264,6 +265,7 @@ class ReplicaSet:
             # them (see hold_resources): a build asking for them would wait behind the
             # holder of a replica another process built there meanwhile.
             hold = bool(spec.resources) and spec.hold_resources
+            started = time.time()  # (the scheduler stamps events with its clock)
             with carrying(getattr(spec.factory, "nbytes", 0)):
                 futures = {
                     a: submit(
@@ -289,9 +291,10 @@ class ReplicaSet:
             self.leased.update(a for a, new in built if new)  # (built with the lease)
             held.update(_endpoints(client, spec.key, [a for a, _ in built if a not in held]))
             if not held:
+                why = memory_restart(client, {a: workers[a] for a in targets}, started - 5)
                 raise RemoteModelError(
-                    f"{spec!r}: expected replicas on {targets}, none was built: the workers "
-                    "left while building it (see their logs)"
+                    f"{spec!r}: expected replicas on {targets}, none was built: "
+                    + (f"{why}" if why else "the workers left while building it (see their logs)")
                 )
         if spec.shared:  # replicas another process built: this process's lease keeps them too
             found = [a for a in held if a not in self.leased]
