@@ -17,7 +17,7 @@ import warnings
 import dask
 from dask.utils import format_bytes
 
-from dasktensor.cluster import calls_link, configured_address, connect, scheduler_workers
+from dasktensor.cluster import calls_link, configured_address, connect, info, scheduler_workers
 
 #: packages whose versions ``dasktensor info`` compares (``python`` is the interpreter)
 VERSION_PACKAGES = ("dasktensor", "dask", "distributed", "pytensor", "pymc", "numpy", "python")
@@ -138,6 +138,7 @@ def cluster_report(client) -> str:
         lines += table(rows)
     else:
         lines.append("  (no workers: start some with `dask worker ADDRESS`)")
+    lines += _gpu_lines(client)
 
     versions = client.get_versions(check=False, packages=["dasktensor", "pytensor", "pymc"])
     lines.append("Versions:")
@@ -151,6 +152,22 @@ def cluster_report(client) -> str:
             f"Versions match (the scheduler needs only {', '.join(SCHEDULER_PACKAGES)} to match)."
         )
     return "\n".join(lines)
+
+
+def _gpu_lines(client) -> list[str]:
+    """The GPUs each worker sees (``dt.info``): a line saying how many see one, then a
+    row per worker when any sees a device or was started with ``CUDA_VISIBLE_DEVICES``."""
+    seen = info(client).workers
+    with_gpus = [w for w in seen if w.devices]
+    told = [w for w in seen if w.devices or w.env.get("CUDA_VISIBLE_DEVICES") is not None]
+    if not with_gpus:
+        head = "GPUs:       none seen by the workers (nvidia-smi, CUDA_VISIBLE_DEVICES)"
+    else:
+        total = sum(len(w.devices) for w in with_gpus)
+        head = f"GPUs:       {total} device(s), seen by {len(with_gpus)} worker(s)"
+    if not told:
+        return [head]
+    return [head, *table([("name", "GPUs"), *((w.row()[0], w.row()[-1]) for w in told)])]
 
 
 def _package_version(report, name: str) -> str:

@@ -6,7 +6,9 @@ runs a handler:
 * ``demo`` (here): sample a PyMC model whose likelihood calls remote models on a Dask
   cluster (the model is :mod:`dasktensor.cli._demo`), against the same model run serially;
 * ``info`` (:mod:`dasktensor.cli._info`): a cluster's scheduler, workers and versions;
-* ``bench`` (:mod:`dasktensor.cli._bench`): the benchmarks of the source tree.
+* ``bench`` (:mod:`dasktensor.cli._bench`): the benchmarks of the source tree;
+* ``worker`` (:mod:`dasktensor.cli._worker`): one worker per GPU of a host, for a running
+  cluster.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import dasktensor.cli._bench as _bench  # noqa: PLR0402 (the package imports thi
 import dasktensor.cli._demo as _demo  # noqa: PLR0402
 import dasktensor.cli._info as _info  # noqa: PLR0402
 import dasktensor.cli._serve as _serve  # noqa: PLR0402
+import dasktensor.cli._worker as _worker  # noqa: PLR0402
 from dasktensor import _compat
 from dasktensor.cluster import calls_link, connect, scheduler_workers
 
@@ -168,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         help="show a cluster's scheduler, dashboard, workers and versions",
         description=(
             "Connect to a running Dask cluster and print its scheduler address, dashboard "
-            "link, workers (address, name, threads, memory limit, resources) and the "
+            "link, workers (address, name, threads, memory limit, resources), the GPUs each "
+            "worker sees (name, memory total and used) and the "
             "versions of dasktensor, dask, distributed, PyTensor, PyMC, NumPy and Python in "
             "this process, on the scheduler and on the workers, flagging mismatches. The "
             "scheduler is --scheduler ADDR, else `dasktensor.scheduler-address` in Dask's "
@@ -217,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(run=_bench.run)
 
     _serve.add_parser(sub)
+    _worker.add_parser(sub)
 
     args = parser.parse_args(argv)
     return args.run(args)
