@@ -434,3 +434,13 @@ def test_a_build_lost_to_the_nannys_memory_restart_is_named_as_such():
     assert "of its 600.00 MiB memory limit" in message
     assert "--memory-limit" in message and "dasktensor.gpu.memory-limit" in message
     assert "left while building" not in message
+
+
+def test_the_worker_command_describes_itself(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["worker", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for words in ("--gpus", "--memory-limit", "--nthreads", "CUDA_VISIBLE_DEVICES", "GPU=1",
+                  "nvidia-smi", "dask cuda worker", "no host memory limit"):  # fmt: skip
+        assert words in out, words
