@@ -1,0 +1,199 @@
+"""Every Python example of the documentation runs, as a reader would run it.
+
+A page's Python blocks (```` ```python ```` fences in ``README.md`` and the Markdown pages
+of ``docs/``) are run in order in one interpreter, as a notebook runs its cells: each page
+becomes one script, run in a subprocess of this interpreter (``python PAGE.py``, so that
+its ``if __name__ == "__main__":`` guards hold and spawned workers re-import it as they
+would a reader's script), in a temporary directory, with a timeout.
+
+The script keeps the page's line numbers (the lines between blocks are left blank), so a
+failure names the page and the line, e.g. ``docs/user-guide/umbridge.md, line 73``.
+
+A block that cannot run here (a command for a real cluster, certificates, a queue)
+starts with a comment line ``# not run: <why>``; the reason shows on the page, and the
+block is left out of the script.  ``docs/contributing.md`` documents the convention.
+
+Some pages first start something in a shell, as their reader would: those commands are
+in ``SHELL``, and run before the page's script (and stopped after it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+#: the mark of a block left out, and the reason it must give
+NOT_RUN = re.compile(r"^\s*# not run: (?P<why>\S.*)$")
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
+
+#: pages whose blocks are not run yet, and why
+SKIPPED = {
+    # another change rewrites this page (GPU workers); its blocks need a GPU to mean much
+    "docs/user-guide/gpus.md": "rewritten for the GPU workers; its blocks join this test then",
+}
+
+#: what a page's reader starts in a shell before its Python blocks (run from the repository
+#: root; stopped when the page's script ends), and the port it serves, waited for
+SHELL = {
+    "docs/user-guide/umbridge.md": (
+        [sys.executable, "docs/examples/decay_server.py", "4242"],
+        4242,
+    ),
+}
+
+#: seconds a page's script may take (the embedded clusters, sampling, compiling)
+TIMEOUT = 300
+
+
+@dataclass
+class Block:
+    line: int  # the page's line of the block's first line of code (1-based)
+    code: list[str]
+    why_not_run: str | None
+
+
+def python_blocks(text: str) -> list[Block]:
+    """The page's ```` ```python ```` blocks, in order (code dedented by the fence's)."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, indent, info = m["fence"], len(m["indent"]), m["info"].strip()
+        end = i + 1
+        while end < len(lines) and not lines[end].strip().startswith(fence):
+            end += 1
+        if info in ("python", "py", "{code-block} python", "{code-cell} python"):
+            code = [line[indent:] for line in lines[i + 1 : end]]
+            while code and code[0].lstrip().startswith(":"):  # a directive's options
+                code = [""] + code[1:]
+            first = next((line for line in code if line.strip()), "")
+            why = NOT_RUN.match(first)
+            blocks.append(Block(i + 2, code, why["why"] if why else None))
+        i = end + 1
+    return blocks
+
+
+def pages() -> list[str]:
+    found = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    found = [p for p in found if "_build" not in p.parts and "generated" not in p.parts]
+    return [str(p.relative_to(ROOT)) for p in found]
+
+
+def script_of(page: str) -> str | None:
+    """The page's runnable blocks as one script whose line N is the page's line N."""
+    blocks = [b for b in python_blocks((ROOT / page).read_text(encoding="utf-8"))]
+    run = [b for b in blocks if b.why_not_run is None]
+    if not run:
+        return None
+    lines: list[str] = []
+    for block in run:
+        lines += [""] * (block.line - 1 - len(lines))
+        lines += block.code
+    return "\n".join(lines) + "\n"
+
+
+def _where(page: str, script: Path, output: str) -> str:
+    """The page's line of the innermost frame of the script in a traceback."""
+    frames = re.findall(rf'File "[^"]*{re.escape(script.name)}", line (\d+)', output)
+    return f"{page}, line {frames[-1]}" if frames else page
+
+
+def _wait_for_port(port: int, process: subprocess.Popen, page: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"{page}: the server {process.args} exited ({process.returncode})")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGTERM)
+    pytest.fail(f"{page}: the server {process.args} did not listen on {port} within 60 s")
+
+
+PAGES = pages()
+WITH_CODE = [p for p in PAGES if any(python_blocks((ROOT / p).read_text(encoding="utf-8")))]
+
+
+def test_the_pages_with_python_blocks_are_found():
+    assert "README.md" in WITH_CODE and "docs/getting-started.md" in WITH_CODE
+    assert len(WITH_CODE) >= 12, WITH_CODE
+
+
+@pytest.mark.parametrize("page", WITH_CODE)
+def test_every_block_left_out_says_why(page):
+    for block in python_blocks((ROOT / page).read_text(encoding="utf-8")):
+        first = next((line for line in block.code if line.strip()), "")
+        if "not run" in first.lower():
+            assert block.why_not_run, (
+                f"{page}, line {block.line}: a block left out starts with "
+                f"'# not run: <why>', got {first.strip()!r}"
+            )
+
+
+def test_blocks_left_out_are_few():
+    """Fragments are rare: most blocks run."""
+    blocks = [b for p in WITH_CODE for b in python_blocks((ROOT / p).read_text("utf-8"))]
+    left_out = [b for b in blocks if b.why_not_run]
+    assert len(left_out) * 4 <= len(blocks), f"{len(left_out)} of {len(blocks)} not run"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize("page", WITH_CODE)
+def test_the_page_runs(page, tmp_path):
+    if page in SKIPPED:
+        pytest.skip(f"{page}: {SKIPPED[page]}")
+    source = script_of(page)
+    if source is None:
+        pytest.skip(f"{page}: every block is marked '# not run'")
+    script = tmp_path / (page.replace("/", "__") + ".py")
+    script.write_text(source, encoding="utf-8")
+    env = dict(os.environ)
+    # docs/examples holds the modules the pages import (lotka_volterra); the workers
+    # the pages start inherit the path
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(DOCS / "examples"), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    env["MPLBACKEND"] = "Agg"
+    env.pop("DASK_SCHEDULER_ADDRESS", None)
+    shell = None
+    if page in SHELL:
+        command, port = SHELL[page]
+        shell = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+        _wait_for_port(port, shell, page)
+    try:
+        run = subprocess.run(
+            [sys.executable, script.name],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{page}: did not finish within {TIMEOUT} s\n{e.stdout}\n{e.stderr}")
+    finally:
+        if shell is not None:
+            os.killpg(shell.pid, signal.SIGTERM)
+            shell.wait(timeout=30)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, (
+        f"{_where(page, script, output)}: the page's example failed "
+        f"(exit status {run.returncode})\n{output[-6000:]}"
+    )
