@@ -121,11 +121,17 @@ def placed_network(client, where: str, width: int, layers: int, rows: int) -> li
         ["variant", "per call", "vs default"],
         [
             ("whole graph, this process, default mode", fmt_time(t["default"]), "1.00x"),
-            (f"block with JAX on the GPU worker ({ran_on})", fmt_time(t["gpu"]),
-             f"{t['default'] / t['gpu']:.2f}x"),
-            ("block with JAX on the CPU worker", fmt_time(t["cpu"]),
-             f"{t['default'] / t['cpu']:.2f}x"),
-        ],  # fmt: skip
+            (
+                f"block with JAX on the GPU worker ({ran_on})",
+                fmt_time(t["gpu"]),
+                f"{t['default'] / t['gpu']:.2f}x",
+            ),
+            (
+                "block with JAX on the CPU worker",
+                fmt_time(t["cpu"]),
+                f"{t['default'] / t['cpu']:.2f}x",
+            ),
+        ],
         title=f"[{NAME}] {layers} layers of {width}² (float64), input {rows} x {width}, "
         f"on {where}; values equal to the default mode's",
     )
@@ -134,7 +140,9 @@ def placed_network(client, where: str, width: int, layers: int, rows: int) -> li
         Row(NAME, f"{where}: default mode, whole graph (ms)", t["default"] * 1e3),
         Row(NAME, f"{where}: JAX block on the GPU worker (ms)", t["gpu"] * 1e3),
         Row(NAME, f"{where}: JAX block on a CPU worker (ms)", t["cpu"] * 1e3),
-        Row(NAME, f"{where}: GPU worker vs default (x)", t["default"] / t["gpu"], gpu_target, True),
+        Row(
+            NAME, f"{where}: GPU worker vs default (x)", t["default"] / t["gpu"], gpu_target, True
+        ),
         Row(NAME, f"{where}: GPU worker vs JAX on CPU worker (x)", t["cpu"] / t["gpu"]),
     ]
 
@@ -180,16 +188,22 @@ def batched_surrogate(client, where: str, width: int, threads: int, rounds: int)
     batch = statistics.median(sizes[c, "batched"]) if sizes[c, "batched"] else float("nan")
     print_table(
         ["variant", "calls/s", "median batch"],
-        [(v, f"{med[v]:,.0f}", f"{statistics.median(sizes[c, v]) if sizes[c, v] else 0:g}")
-         for v in GPU_VARIANTS],  # fmt: skip
+        [
+            (v, f"{med[v]:,.0f}", f"{statistics.median(sizes[c, v]) if sizes[c, v] else 0:g}")
+            for v in GPU_VARIANTS
+        ],
         title=f"[{NAME}] JAX MLP 4 x {width} on the GPU worker ({where}), {threads} callers, "
         f"{checked} results checked (largest difference {worst.max():.1e})",
     )
     ratio = med["batched"] / med["max_size=1"]
     rows += [
-        Row(NAME, f"{where}: surrogate batched, {threads} callers (calls/s)", round(med["batched"])),
+        Row(
+            NAME, f"{where}: surrogate batched, {threads} callers (calls/s)", round(med["batched"])
+        ),
         Row(NAME, f"{where}: surrogate max_size=1 (calls/s)", round(med["max_size=1"])),
-        Row(NAME, f"{where}: batched / max_size=1 (x)", ratio, 10 if where == "GPU" else None, True),
+        Row(
+            NAME, f"{where}: batched / max_size=1 (x)", ratio, 10 if where == "GPU" else None, True
+        ),
         Row(NAME, f"{where}: median batch", batch),
     ]
     return rows

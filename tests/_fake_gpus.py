@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 SCRIPT = textwrap.dedent(
-    '''\
+    """\
     #!{python}
     import os, sys
     names = [n for n in os.environ.get("DASKTENSOR_FAKE_GPUS", "").split(";") if n]
@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     else:
         print("fake nvidia-smi: unsupported arguments", args, file=sys.stderr)
         sys.exit(2)
-    '''
+    """
 )
 
 

@@ -81,7 +81,10 @@ def test_cuda_visible_devices_restricts_what_is_found(two_gpus):
     assert how == "CUDA_VISIBLE_DEVICES=1"
     by_uuid, _ = find_devices({"CUDA_VISIBLE_DEVICES": "GPU-00000000-fake-0000"})
     assert [(d.id, d.index) for d in by_uuid] == [("GPU-00000000-fake-0000", 0)]
-    assert find_devices({"CUDA_VISIBLE_DEVICES": ""}) == ([], "CUDA_VISIBLE_DEVICES is set and empty")
+    assert find_devices({"CUDA_VISIBLE_DEVICES": ""}) == (
+        [],
+        "CUDA_VISIBLE_DEVICES is set and empty",
+    )
 
 
 def test_without_nvidia_smi_cuda_visible_devices_alone_names_the_devices(no_gpu):
@@ -121,14 +124,14 @@ def test_gpus_all_with_no_device_found_says_so_and_how_it_looked():
 @pytest.mark.parametrize(
     ("gpus", "error", "message"),
     [
-        ([3], ValueError, r"gpus=\[3\]\) expected ids of the devices found \(test\): 0: A; 1: B; "
-         r"there is no device '3'"),
+        ([3], ValueError, (r"gpus=\[3\]\) expected ids of the devices found \(test\): 0: A; "
+                           r"1: B; there is no device '3'")),
         (3, ValueError, r"gpus=3\) expected at most 2 GPU\(s\)"),
         ([0, 0], ValueError, r"each once .* got \[0, 0\]: 0 more than once"),
         ([], ValueError, r"got an empty list"),
         (0, ValueError, r"a number of GPUs >= 1.* got 0"),
-        ("al", TypeError, r"expected gpus= 'all', a number of GPUs >= 1, or a list of device "
-         r"ids such as \[0, 1\], got 'al'"),
+        ("al", TypeError, (r"expected gpus= 'all', a number of GPUs >= 1, or a list of "
+                           r"device ids such as \[0, 1\], got 'al'")),
         (True, TypeError, r"got True"),
         ([0.5], TypeError, r"got \[0.5\]"),
     ],
@@ -196,13 +199,15 @@ def test_connect_gpus_all_without_a_device_fails_before_starting_anything(no_gpu
     ("kwargs", "message"),
     [
         ({"gpus": [0, 5]}, r"there is no device '5'"),
-        ({"gpus": 1, "resources": {"GPU": 1}}, r"got gpus=1 and resources=\{'GPU': 1\}.*"
-         r"expected resources without 'GPU' beside gpus="),
+        ({"gpus": 1, "resources": {"GPU": 1}}, (r"got gpus=1 and resources=\{'GPU': 1\}.*"
+                                                r"expected resources without 'GPU' beside gpus=")),
         ({"gpus": "all", "processes": False}, r"expected processes=True"),
         ({"gpus": [0], "env": {"CUDA_VISIBLE_DEVICES": "1"}}, r"expected one of the two"),
     ],
 )  # fmt: skip
-def test_connect_refuses_gpus_that_contradict_the_machine_or_other_options(two_gpus, kwargs, message):
+def test_connect_refuses_gpus_that_contradict_the_machine_or_other_options(
+    two_gpus, kwargs, message
+):
     with pytest.raises(ValueError, match=message):
         dt.connect(n_workers=1, dashboard_address=False, set_as_default=False, **kwargs)
 
@@ -253,7 +258,9 @@ def test_the_memory_settings_become_variables_and_the_environment_wins(monkeypat
 # --------------------------------------------------- an embedded cluster with GPU workers
 
 
-def _environment(names=("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "XLA_PYTHON_CLIENT_PREALLOCATE")):
+def _environment(
+    names=("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "XLA_PYTHON_CLIENT_PREALLOCATE"),
+):
     return {n: os.environ.get(n) for n in names}
 
 
@@ -423,12 +430,14 @@ class Hungry:
 def test_a_build_lost_to_the_nannys_memory_restart_is_named_as_such():
     from distributed import Client
 
-    with local_cluster(n_workers=1, memory_limit="600MiB") as cluster:
-        with Client(cluster, set_as_default=False) as client:
-            factory = functools.partial(Hungry, 700 * 2**20)
-            model = dt.RemoteModel(factory, name="hungry", scheduler=client)
-            with pytest.raises(dt.RemoteModelError) as info:
-                model.call("f")
+    with (
+        local_cluster(n_workers=1, memory_limit="600MiB") as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        factory = functools.partial(Hungry, 700 * 2**20)
+        model = dt.RemoteModel(factory, name="hungry", scheduler=client)
+        with pytest.raises(dt.RemoteModelError) as info:
+            model.call("f")
     message = str(info.value)
     assert "restarted it for memory" in message, message
     assert "of its 600.00 MiB memory limit" in message

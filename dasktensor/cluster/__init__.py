@@ -45,9 +45,9 @@ from dasktensor.cluster._connect import connect as connect
 from dasktensor.cluster._dashboard import calls_link as calls_link
 from dasktensor.cluster._dashboard import show_calls_page as show_calls_page
 from dasktensor.cluster._errors import NoWorkerWithResourcesError as NoWorkerWithResourcesError
-from dasktensor.cluster._errors import memory_restart as memory_restart
 from dasktensor.cluster._errors import SchedulerLostError as SchedulerLostError
 from dasktensor.cluster._errors import lost_scheduler as lost_scheduler
+from dasktensor.cluster._errors import memory_restart as memory_restart
 from dasktensor.cluster._gpus import Device as Device
 from dasktensor.cluster._gpus import NoGPUError as NoGPUError
 from dasktensor.cluster._gpus import choose_devices as choose_devices
@@ -71,10 +71,10 @@ __all__ = [
     "ClusterInfo",
     "Device",
     "NoGPUError",
-    "WorkerInfo",
     "NoWorkerWithResourcesError",
     "SchedulerLostError",
     "SchedulerRef",
+    "WorkerInfo",
     "calls_link",
     "carrying",
     "check_resources",

@@ -329,7 +329,9 @@ def _start_gpu_workers(client, devices, resources) -> None:
         spec = copy.deepcopy(cluster.new_spec)
         options = gpu_worker_options(device, resources)
         # the user's env= (in the CPU workers' spec) under the GPU worker's own
-        cpu_env = {k: v for k, v in spec["options"].get("env", {}).items() if k not in cpu_worker_env()}
+        cpu_env = {
+            k: v for k, v in spec["options"].get("env", {}).items() if k not in cpu_worker_env()
+        }
         options["env"] = {**cpu_env, **options["env"]}
         spec["options"].update(options)
         cluster.worker_spec[f"gpu-{device.id}"] = spec

@@ -129,8 +129,14 @@ def _queried() -> list[Device]:
         index, uuid, name, total, used = parts
         mib = [int(float(v)) * 2**20 if _number(v) else None for v in (total, used)]
         devices.append(
-            Device(id=index, name=name, index=int(index), uuid=uuid or None,
-                   memory_total=mib[0], memory_used=mib[1])  # fmt: skip
+            Device(
+                id=index,
+                name=name,
+                index=int(index),
+                uuid=uuid or None,
+                memory_total=mib[0],
+                memory_used=mib[1],
+            )
         )
     return devices
 
@@ -180,9 +186,7 @@ def find_devices(environ=None) -> tuple[list[Device], str]:
         devices = []
         for entry in entries:
             known = next((d for d in listed if d.matches(entry)), None)
-            devices.append(
-                Device(**{**asdict(known), "id": entry}) if known else Device(id=entry)
-            )
+            devices.append(Device(**{**asdict(known), "id": entry}) if known else Device(id=entry))
         return devices, f"CUDA_VISIBLE_DEVICES={visible}"
     if listed:
         return listed, "nvidia-smi"
@@ -191,7 +195,9 @@ def find_devices(environ=None) -> tuple[list[Device], str]:
     return [], "nvidia-smi -L listed no GPU"
 
 
-def choose_devices(gpus, devices: list[Device], how: str, *, owner: str = "dt.connect") -> list[Device]:
+def choose_devices(
+    gpus, devices: list[Device], how: str, *, owner: str = "dt.connect"
+) -> list[Device]:
     """The devices that ``gpus`` asks for, among ``devices`` (found as ``how`` says).
 
     Parameters

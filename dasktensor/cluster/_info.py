@@ -42,7 +42,7 @@ class WorkerInfo:
             memory = [f"{k}={v}" for k, v in self.env.items() if k in MEMORY_SHOWN and v]
             gpus += f" ({', '.join(memory)})" if memory else ""
         elif self.env.get("CUDA_VISIBLE_DEVICES") == "":
-            gpus = "none visible (CUDA_VISIBLE_DEVICES=\"\")"
+            gpus = 'none visible (CUDA_VISIBLE_DEVICES="")'
         else:
             gpus = "none" if self.how != "?" else "? (did not answer)"
         return [
