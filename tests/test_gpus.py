@@ -329,7 +329,16 @@ def test_info_is_a_table_of_the_workers_and_their_devices(gpu_client):
     text = str(dt.info(gpu_client))
     lines = text.splitlines()
     assert lines[0].startswith(f"Scheduler {gpu_client.scheduler.address}: 4 worker(s)")
-    assert lines[1].split()[:6] == ["name", "address", "threads", "memory", "limit", "resources"]
+    assert lines[1].split()[:8] == [
+        "name",
+        "address",
+        "threads",
+        "memory",
+        "limit",
+        "resources",
+        "holds",
+        "(calls)",
+    ]
     row = next(line for line in lines if line.startswith("gpu-1 "))
     assert "no limit" in row and "GPU=1" in row
     assert "1: Fake A100 80GB, 101.00 MiB of 79.65 GiB used" in row
@@ -351,6 +360,15 @@ def test_a_placed_block_runs_on_the_gpu_workers_only(gpu_client):
     names = {str(w.name): compiled[w.address] for w in dt.info(gpu_client).workers}
     holders = sorted(n for n, runners in names.items() if "on-gpu" in runners)
     assert holders and set(holders) <= {"gpu-0", "gpu-1"}, names
+    # dt.info() says which workers hold the block, and their devices
+    seen = dt.info(gpu_client).workers
+    holding = {str(w.name): w for w in seen if "on-gpu" in w.holds}
+    assert holding and set(holding) <= {"gpu-0", "gpu-1"}
+    assert all(w.devices for w in holding.values())
+    called = {n for n, w in holding.items() if w.calls.get("on-gpu", 0) >= 1}
+    assert called == set(holders)  # the calls went where the block was compiled
+    row = next(line for line in str(dt.info(gpu_client)).splitlines() if "on-gpu (" in line)
+    assert "Fake A100 80GB" in row
 
 
 def test_a_remote_model_asking_for_a_gpu_is_built_and_called_on_gpu_workers(gpu_client):

@@ -156,7 +156,8 @@ def cluster_report(client) -> str:
 
 def _gpu_lines(client) -> list[str]:
     """The GPUs each worker sees (``dt.info``): a line saying how many see one, then a
-    row per worker when any sees a device or was started with ``CUDA_VISIBLE_DEVICES``."""
+    row per worker when any sees a device or was started with ``CUDA_VISIBLE_DEVICES``:
+    what it holds (models, placed blocks) and its devices."""
     seen = info(client).workers
     with_gpus = [w for w in seen if w.devices]
     told = [w for w in seen if w.devices or w.env.get("CUDA_VISIBLE_DEVICES") is not None]
@@ -167,7 +168,8 @@ def _gpu_lines(client) -> list[str]:
         head = f"GPUs:       {total} device(s), seen by {len(with_gpus)} worker(s)"
     if not told:
         return [head]
-    return [head, *table([("name", "GPUs"), *((w.row()[0], w.row()[-1]) for w in told)])]
+    rows = [(r[0], r[-2], r[-1]) for r in (w.row() for w in told)]
+    return [head, *table([("name", "holds (calls)", "GPUs"), *rows])]
 
 
 def _package_version(report, name: str) -> str:

@@ -376,14 +376,20 @@ def gpu_worker_options(device: Device, resources: dict | None = None) -> dict:
     }
 
 
-def worker_view() -> dict:
-    """What this process sees of the GPUs (run on each worker by ``dt.info()``): its
-    ``CUDA_VISIBLE_DEVICES`` and memory variables, and the devices it can use, with their
-    memory total and used (nvidia-smi lists every device of the machine; those outside
-    ``CUDA_VISIBLE_DEVICES`` are left out)."""
+def worker_view(dask_worker=None) -> dict:
+    """What this worker sees of the GPUs, and what runs on it (``client.run`` by
+    ``dt.info()``): its ``CUDA_VISIBLE_DEVICES`` and memory variables; the devices it can
+    use, with their memory total and used (nvidia-smi lists every device of the machine;
+    those outside ``CUDA_VISIBLE_DEVICES`` are left out); the remote models and resident
+    stages (placed blocks) it holds, by name, and the calls it answered by name."""
+    from dasktensor_worker import tasks
+
     devices, how = find_devices()
+    held = tasks.summary(dask_worker)
     return {
         "env": {v: os.environ.get(v) for v in SHOWN_VARIABLES},
         "devices": [asdict(d) for d in devices],
         "how": how,
+        "holds": sorted(set(held["models"].values())),
+        "calls": {name: int(c[0]) for name, c in held["calls"].items()},
     }

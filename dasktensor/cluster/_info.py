@@ -18,7 +18,8 @@ from dasktensor.cluster._workers import scheduler_workers
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """One worker: as the scheduler lists it, and the GPUs it sees."""
+    """One worker: as the scheduler lists it, the GPUs it sees, and the models and placed
+    blocks it holds (so the device a block or replica ran on is its worker's)."""
 
     address: str
     name: str
@@ -31,6 +32,10 @@ class WorkerInfo:
     env: dict
     #: why it sees no device, or where its devices came from; "?" when it did not answer
     how: str
+    #: the remote models and resident stages (placed blocks, by their name) it holds
+    holds: tuple[str, ...] = ()
+    #: the calls it answered so far, by model or block name
+    calls: dict | None = None
 
     def row(self) -> list[str]:
         """Its line of the table: name, address, threads, memory limit, resources, GPUs."""
@@ -45,18 +50,21 @@ class WorkerInfo:
             gpus = 'none visible (CUDA_VISIBLE_DEVICES="")'
         else:
             gpus = "none" if self.how != "?" else "? (did not answer)"
+        calls = self.calls or {}
+        holds = ", ".join(f"{n} ({calls.get(n, 0)})" for n in self.holds)
         return [
             self.name,
             self.address,
             str(self.nthreads),
             format_bytes(self.memory_limit) if self.memory_limit else "no limit",
             resources or "-",
+            holds or "-",
             gpus,
         ]
 
 
 MEMORY_SHOWN = tuple(MEMORY_VARIABLES.values())
-HEADER = ["name", "address", "threads", "memory limit", "resources", "GPUs"]
+HEADER = ["name", "address", "threads", "memory limit", "resources", "holds (calls)", "GPUs"]
 
 
 @dataclass(frozen=True, repr=False)
@@ -94,11 +102,15 @@ class ClusterInfo:
 
 
 def info(client=None) -> ClusterInfo:
-    """The workers of a cluster: threads, memory limit, resources, and the GPUs each sees.
+    """The workers of a cluster: threads, memory limit, resources, what each holds, and
+    the GPUs each sees.
 
     Each worker reports its ``CUDA_VISIBLE_DEVICES`` and the devices it can use with
     their name and memory (total and used, from ``nvidia-smi``), so that a GPU worker
-    shows its device and a CPU worker beside GPU workers shows none.
+    shows its device and a CPU worker beside GPU workers shows none; and the remote
+    models and resident stages it holds (a placed block of a DASK-mode function is a
+    resident stage named after the block) with the calls it answered: the device a block
+    or a replica ran on is that of the worker holding it.
 
     Parameters
     ----------
@@ -122,9 +134,9 @@ def info(client=None) -> ClusterInfo:
     >>> client = dt.connect(n_workers=1, gpus="all")  # doctest: +SKIP
     >>> print(dt.info(client))  # doctest: +SKIP
     Scheduler tcp://127.0.0.1:40123: 2 worker(s)
-    name   address                 threads  memory limit  resources  GPUs
-    0      tcp://127.0.0.1:40431   1        15.6 GiB      -          none visible (CUDA_VISIBLE_DEVICES="")
-    gpu-0  tcp://127.0.0.1:41235   1        no limit      GPU=1      0: NVIDIA H200, 512 MiB of 140 GiB used
+    name   address                threads  memory limit  resources  holds (calls)  GPUs
+    0      tcp://127.0.0.1:40431  1        15.6 GiB      -          -              none visible...
+    gpu-0  tcp://127.0.0.1:41235  1        no limit      GPU=1      surrogate (40) 0: NVIDIA H200...
     """
     if client is None:
         client = default_client()
@@ -142,7 +154,7 @@ def info(client=None) -> ClusterInfo:
     for address, w in sorted(workers.items(), key=lambda kv: str(kv[1].get("name", ""))):
         view = views.get(address)
         if not isinstance(view, dict):
-            view = {"env": {}, "devices": [], "how": "?"}
+            view = {"env": {}, "devices": [], "how": "?", "holds": [], "calls": {}}
         out.append(
             WorkerInfo(
                 address=address,
@@ -153,6 +165,8 @@ def info(client=None) -> ClusterInfo:
                 devices=tuple(Device(**d) for d in view["devices"]),
                 env=dict(view["env"]),
                 how=view["how"],
+                holds=tuple(view["holds"]),
+                calls=dict(view["calls"]),
             )
         )
     return ClusterInfo(scheduler=client.scheduler.address, workers=tuple(out))
