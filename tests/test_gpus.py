@@ -287,14 +287,21 @@ class DeviceModel:
 
 @pytest.fixture(scope="module")
 def gpu_client(fake_smi):
-    """``dt.connect(n_workers=2, gpus=[0, 1])`` with the fake nvidia-smi on PATH."""
+    """``dt.connect(n_workers=2, gpus=[0, 1])`` with the fake nvidia-smi on PATH, a
+    resource and a variable for every worker."""
     saved = dict(os.environ)
     os.environ.update(environ(fake_smi, FAKE))
     for v in ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_PREALLOCATE"):
         os.environ.pop(v, None)
     try:
-        client = dt.connect(n_workers=2, gpus=[0, 1], dashboard_address=False,
-                            set_as_default=False)  # fmt: skip
+        client = dt.connect(
+            n_workers=2,
+            gpus=[0, 1],
+            resources={"MEM": 1},  # every worker's
+            env={"DASKTENSOR_TEST_MARK": "every worker"},
+            dashboard_address=False,
+            set_as_default=False,
+        )
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -308,12 +315,12 @@ def test_connect_gpus_starts_cpu_workers_without_devices_and_a_worker_per_device
     assert sorted(seen) == ["0", "1", "gpu-0", "gpu-1"]
     for cpu in ("0", "1"):
         w = seen[cpu]
-        assert w.devices == () and w.resources == {}
+        assert w.devices == () and w.resources == {"MEM": 1}
         assert w.env["CUDA_VISIBLE_DEVICES"] == "" and w.memory_limit  # Dask's limit
     for device in ("0", "1"):
         w = seen[f"gpu-{device}"]
         assert [(d.id, d.name) for d in w.devices] == [(device, FAKE[int(device)])]
-        assert w.resources == {"GPU": 1} and w.nthreads == 1
+        assert w.resources == {"MEM": 1, "GPU": 1} and w.nthreads == 1
         assert w.memory_limit is None  # the nanny never restarts it for host memory
         assert w.env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     # what the worker processes really have, read there
@@ -323,6 +330,10 @@ def test_connect_gpus_starts_cpu_workers_without_devices_and_a_worker_per_device
     assert by_name["gpu-1"] == {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                                 "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # fmt: skip
     assert by_name["0"]["XLA_PYTHON_CLIENT_PREALLOCATE"] is None
+    # the caller's env= reaches every worker, GPU workers included
+    marks = gpu_client.run(_environment, ("DASKTENSOR_TEST_MARK",))
+    marks = {a: env["DASKTENSOR_TEST_MARK"] for a, env in marks.items()}
+    assert set(marks.values()) == {"every worker"} and len(marks) == 4
 
 
 def test_info_is_a_table_of_the_workers_and_their_devices(gpu_client):
