@@ -75,8 +75,9 @@ html_context = {"default_mode": "light"}
 # pages without sub-pages need no section navigation
 html_sidebars = {
     page: []
-    for page in ["index", "getting-started", "api", "settings", "performance", "architecture",
-                 "contributing", "changelog"]
+    for page in ["index", "installation", "getting-started", "api", "settings", "performance",
+                 "limitations", "glossary", "comparison", "architecture", "contributing",
+                 "changelog", "citing"]
 }  # fmt: skip
 html_copy_source = False
 

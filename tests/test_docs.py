@@ -114,3 +114,129 @@ def test_the_build_leaves_nothing_in_the_repository_but_the_ignored_stubs(site):
     unexpected = [p for p in ignored if not p.startswith(("docs/generated/", "docs/_build/"))]
     unexpected = [p for p in unexpected if "__pycache__" not in p]
     assert not unexpected, f"the build left {unexpected} in the repository"
+
+
+# -- the pages a user looks for ------------------------------------------------------------
+
+PYPROJECT = ROOT / "pyproject.toml"
+USER_PAGES = ["installation", "limitations", "glossary", "comparison", "citing",
+              "user-guide/troubleshooting", "user-guide/journey-of-a-call"]  # fmt: skip
+
+
+def _project() -> dict:
+    import tomllib
+
+    return tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]
+
+
+def _table_rows(page: Path, header: str) -> list[list[str]]:
+    """The cells of the Markdown table whose header row starts with ``| header |``."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header} |"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_installation_page_lists_every_extra_and_no_other():
+    extras = set(_project()["optional-dependencies"])
+    listed = {row[0].strip("`") for row in _table_rows(DOCS / "installation.md", "extra")}
+    assert listed == extras, (
+        f"only in pyproject.toml: {extras - listed}; only on the page: {listed - extras}"
+    )
+
+
+def test_zarr_and_umbridge_are_in_user_facing_extras():
+    extras = _project()["optional-dependencies"]
+    assert any(r.startswith("zarr") for r in extras["zarr"])
+    assert any(r.startswith("umbridge") for r in extras["umbridge"])
+    assert extras["all"] == ["dasktensor[dashboard,jax,zarr,umbridge]"]
+
+
+def test_the_installation_page_states_the_pinned_lines():
+    """The two lines of the page are the bounds of pyproject.toml's requirements."""
+    import re
+
+    bounds = {}  # (package, "old" | "new") -> the lower bound
+    for requirement in _project()["dependencies"]:
+        pattern = r"(pymc|pytensor)>=([\d.]+)(?:,<[\d.]+)?; python_version ([<>]=?) '3.12'"
+        m = re.match(pattern, requirement)
+        if m:
+            bounds[m[1], "old" if m[3] == "<" else "new"] = m[2]
+    assert len(bounds) == 4, bounds
+    rows = {row[0]: row for row in _table_rows(DOCS / "installation.md", "line")}
+    new = [">= 3.12", f">= {bounds['pymc', 'new']}", f">= {bounds['pytensor', 'new']}"]
+    old = ["3.11", f"{bounds['pymc', 'old']}.x", f"{bounds['pytensor', 'old']}.x"]
+    assert rows["current"][1:4] == new and rows["previous"][1:4] == old, rows
+    assert _project()["requires-python"] == ">=3.11"
+
+
+def test_the_api_reference_lists_public_names_and_one_returned_class():
+    """Every entry of docs/api.rst is a name of dasktensor.__all__, except the class of what
+    serve_umbridge returns, which the page says is not one."""
+    import inspect
+
+    import dasktensor.remote
+
+    entries = []
+    for block in (DOCS / "api.rst").read_text(encoding="utf-8").split(".. autosummary::")[1:]:
+        for line in block.splitlines()[1:]:
+            if line.startswith("   ") and not line.strip().startswith(":"):
+                entries.append(line.strip())
+            elif line.strip() and not line.startswith("   "):
+                break
+    others = sorted(e for e in entries if e not in dasktensor.__all__)
+    assert others == ["remote.UMBridgeServer"], others
+    returned = inspect.signature(dasktensor.serve_umbridge).return_annotation
+    assert returned in (dasktensor.remote.UMBridgeServer, "UMBridgeServer")
+    assert "remote.UMBridgeServer``, the\ntype of what :func:`serve_umbridge` returns" in (
+        DOCS / "api.rst"
+    ).read_text(encoding="utf-8")
+
+
+def test_the_pages_users_look_for_are_in_the_site(site):
+    for page in USER_PAGES:
+        assert (site / f"{page}.html").exists(), f"docs/{page}.md is not in the site"
+
+
+def test_the_glossary_defines_the_words_the_guide_uses(site):
+    ids = ids_of(site / "glossary.html")
+    words = ["replica", "channel", "resident-stage", "shard", "segment", "lease", "placement",
+             "line", "call-server", "stage", "batch"]  # fmt: skip
+    missing = [w for w in words if f"term-{w}" not in ids]
+    assert not missing, f"the glossary does not define {missing}"
+
+
+def test_the_journey_of_a_call_is_a_drawn_figure(site):
+    import xml.etree.ElementTree as ET
+
+    figure = DOCS / "journey-of-a-call.svg"
+    root = ET.parse(figure).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    texts = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    for part in ("Caller process", "Dask scheduler", "Dask worker", "call server", "replica"):
+        assert part in texts, f"the figure shows no {part!r}"
+    page = (site / "user-guide" / "journey-of-a-call.html").read_text(encoding="utf-8")
+    assert "journey-of-a-call.svg" in page and (site / "_images" / figure.name).exists()
+
+
+def test_guides_state_no_machine_specific_timings():
+    """Figures belong on the performance page, with the machine described; the other pages
+    link to it. (The architecture records measured reasons for its decisions.)"""
+    import re
+
+    pages = [ROOT / "README.md", *DOCS.glob("*.md"), *(DOCS / "user-guide").glob("*.md")]
+    pages = [p for p in pages if p.name not in ("performance.md", "architecture.md")]
+    banned = re.compile(r"\d\s?µs|2-core|shared machine|this release|previous release|\d ms here")
+    found = [
+        f"{page.relative_to(ROOT)}:{number}: {line.strip()}"
+        for page in pages
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+        if banned.search(line)
+    ]
+    assert not found, "timings or wording of one machine outside the performance page:\n" + (
+        "\n".join(found)
+    )
