@@ -442,6 +442,46 @@ def test_the_worker_command_starts_a_worker_per_gpu_and_stops_them_on_sigterm(fa
         assert "Starting 2 GPU worker(s)" in out and "GPU workers stopped." in out, out
 
 
+def test_the_worker_command_joins_a_tls_cluster_with_certificate_files(fake_smi, tmp_path):
+    from distributed import Client
+    from distributed.security import Security
+
+    security = Security.temporary()
+    files = []
+    for option, pem in [
+        ("--tls-ca-file", security.tls_ca_file),  # Security.temporary() holds PEM text
+        ("--tls-cert", security.tls_worker_cert),
+        ("--tls-key", security.tls_worker_key),
+    ]:
+        path = tmp_path / (option.strip("-") + ".pem")
+        path.write_text(pem)
+        files += [option, str(path)]
+    env = {**os.environ, **environ(fake_smi, FAKE), "PYTHONPATH": str(ROOT)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    with (
+        local_cluster(n_workers=0, protocol="tls://", security=security) as cluster,
+        Client(cluster, security=security, set_as_default=False) as client,
+    ):
+        address = cluster.scheduler_address
+        command = [sys.executable, "-m", "dasktensor", "worker", address, "--gpus", "1",
+                   "--host", "127.0.0.1", *files]  # fmt: skip
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            client.wait_for_workers(1, timeout=120)
+            (worker,) = dt.info(client).workers
+            assert worker.address.startswith("tls://127.0.0.1:")
+            assert [d.id for d in worker.devices] == ["0"] and worker.resources == {"GPU": 1}
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 0
+
+
+def test_the_worker_command_wants_the_three_tls_files_together(capsys):
+    assert main(["worker", "tls://127.0.0.1:9", "--gpus", "all", "--tls-ca-file", "ca.pem"]) == 2
+    assert "--tls-ca-file, --tls-cert and --tls-key go together" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------ a nanny's memory restart
 
 

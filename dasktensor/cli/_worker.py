@@ -56,6 +56,8 @@ async def _serve(args, devices) -> None:
     from distributed import Nanny
 
     host_name = args.name_prefix or socket.gethostname()
+    security = _security(args)
+    scheme, sep, _ = args.scheduler.partition("://")
     nannies = []
     for device in devices:
         options = gpu_worker_options(device, args.resources)
@@ -68,6 +70,8 @@ async def _serve(args, devices) -> None:
                 args.scheduler,
                 name=f"{host_name}-gpu-{device.id}",
                 host=args.host,
+                protocol=scheme if sep else None,  # tls:// listens with TLS too
+                security=security,
                 preload=["dasktensor"],
                 **options,
             )
@@ -89,8 +93,33 @@ async def _serve(args, devices) -> None:
         await asyncio.gather(*(n.close(timeout=10) for n in nannies), return_exceptions=True)
 
 
+def _security(args):
+    """The TLS settings of ``--tls-*`` (all three, or none: Dask's config then)."""
+    files = (args.tls_ca_file, args.tls_cert, args.tls_key)
+    if not any(files):
+        return None
+    from distributed.security import Security
+
+    return Security(
+        tls_ca_file=args.tls_ca_file,
+        tls_worker_cert=args.tls_cert,
+        tls_worker_key=args.tls_key,
+        tls_client_cert=args.tls_cert,
+        tls_client_key=args.tls_key,
+        require_encryption=True,
+    )
+
+
 def run(args) -> int:
     """The ``worker`` command: start the GPU workers, serve until stopped; the exit code."""
+    tls_files = (args.tls_ca_file, args.tls_cert, args.tls_key)
+    if any(tls_files) and not all(tls_files):
+        print(
+            "dasktensor worker: --tls-ca-file, --tls-cert and --tls-key go together (the "
+            "cluster's CA certificate, the workers' certificate and its private key)",
+            file=sys.stderr,
+        )
+        return 2
     found, how = find_devices()
     try:
         devices = choose_devices(args.gpus, found, how, owner="dasktensor worker --gpus")
@@ -121,7 +150,9 @@ def add_parser(sub) -> None:
             "libraries alone hold several GiB of host memory, which Dask's default limit "
             "restarts a worker for), JAX not preallocating the device. Devices are found "
             "with CUDA_VISIBLE_DEVICES when set, else nvidia-smi. Runs until Ctrl-C or "
-            "SIGTERM. Exit code 2 for bad input or no GPU."
+            "SIGTERM. A tls:// scheduler takes --tls-ca-file/--tls-cert/--tls-key, or the "
+            "certificates in Dask's config (distributed.comm.tls.*). Exit code 2 for bad "
+            "input or no GPU."
         ),
     )
     worker.add_argument("scheduler", metavar="SCHEDULER",
@@ -141,4 +172,9 @@ def add_parser(sub) -> None:
                         help="the address the workers listen on (Dask's default: this host's)")  # fmt: skip
     worker.add_argument("--name-prefix", default=None,
                         help="worker names are PREFIX-gpu-ID (default: this host's name)")  # fmt: skip
+    worker.add_argument(
+        "--tls-ca-file", metavar="PEM", help="tls://: the cluster's CA certificate"
+    )
+    worker.add_argument("--tls-cert", metavar="PEM", help="tls://: the workers' certificate")
+    worker.add_argument("--tls-key", metavar="PEM", help="tls://: its private key")
     worker.set_defaults(run=run)
