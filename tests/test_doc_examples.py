@@ -93,10 +93,9 @@ def pages() -> list[str]:
     return [str(p.relative_to(ROOT)) for p in found]
 
 
-def script_of(page: str) -> str | None:
-    """The page's runnable blocks as one script whose line N is the page's line N."""
-    blocks = [b for b in python_blocks((ROOT / page).read_text(encoding="utf-8"))]
-    run = [b for b in blocks if b.why_not_run is None]
+def script_of(text: str) -> str | None:
+    """A page's runnable blocks as one script whose line N is the page's line N."""
+    run = [b for b in python_blocks(text) if b.why_not_run is None]
     if not run:
         return None
     lines: list[str] = []
@@ -152,15 +151,12 @@ def test_blocks_left_out_are_few():
     assert len(left_out) * 4 <= len(blocks), f"{len(left_out)} of {len(blocks)} not run"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(TIMEOUT + 60)
-@pytest.mark.parametrize("page", WITH_CODE)
-def test_the_page_runs(page, tmp_path):
-    if page in SKIPPED:
-        pytest.skip(f"{page}: {SKIPPED[page]}")
-    source = script_of(page)
+def run_page(page: str, text: str, tmp_path: Path, timeout: float = TIMEOUT) -> str | None:
+    """Run the page's script (``text`` is the page's Markdown); ``None`` if it ran, else
+    what failed, starting with the page and the line."""
+    source = script_of(text)
     if source is None:
-        pytest.skip(f"{page}: every block is marked '# not run'")
+        return None
     script = tmp_path / (page.replace("/", "__") + ".py")
     script.write_text(source, encoding="utf-8")
     env = dict(os.environ)
@@ -183,17 +179,61 @@ def test_the_page_runs(page, tmp_path):
             env=env,
             capture_output=True,
             text=True,
-            timeout=TIMEOUT,
+            timeout=timeout,
             check=False,
         )
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{page}: did not finish within {TIMEOUT} s\n{e.stdout}\n{e.stderr}")
+        return f"{page}: did not finish within {timeout} s\n{e.stdout}\n{e.stderr}"
     finally:
         if shell is not None:
             os.killpg(shell.pid, signal.SIGTERM)
             shell.wait(timeout=30)
     output = run.stdout + run.stderr
-    assert run.returncode == 0, (
+    if run.returncode == 0:
+        return None
+    return (
         f"{_where(page, script, output)}: the page's example failed "
         f"(exit status {run.returncode})\n{output[-6000:]}"
     )
+
+
+def test_a_failure_names_the_page_and_the_line(tmp_path):
+    page = """# A page
+
+```python
+import math
+x = 1
+```
+
+Some text, then a block left out:
+
+```python
+# not run: needs a cluster
+y = undefined_too
+```
+
+```python
+if __name__ == "__main__":
+    print(math.sqrt(x))
+    z = undefined
+```
+"""
+    assert [b.line for b in python_blocks(page)] == [4, 11, 16]
+    failure = run_page("docs/a-page.md", page, tmp_path, timeout=60)
+    assert failure is not None and failure.startswith("docs/a-page.md, line 18:"), failure
+    assert "NameError: name 'undefined' is not defined" in failure
+    assert run_page("docs/a-page.md", page.replace("z = undefined", "pass"), tmp_path) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.parametrize("page", WITH_CODE)
+def test_the_page_runs(page, tmp_path):
+    if page in SKIPPED:
+        pytest.skip(f"{page}: {SKIPPED[page]}")
+    text = (ROOT / page).read_text(encoding="utf-8")
+    if script_of(text) is None:
+        pytest.skip(f"{page}: every block is marked '# not run'")
+    failure = run_page(page, text, tmp_path)
+    if failure:
+        pytest.fail(failure, pytrace=False)
