@@ -29,7 +29,8 @@ Then (``--no-sample`` skips it) ``pm.sample`` of the linear regression, 1 chain,
 the largest difference between the draws (sharding changes the order of additions, so
 draws agree to round-off rather than bit for bit).
 
-Run: ``python benchmarks/bench_p9_sharding.py [--no-sample] [--draws N] [--tune N]``
+Run: ``python benchmarks/bench_p9_sharding.py [--no-sample] [--draws N] [--tune N] [--workers N]
+[--rows N]`` (the 8-worker case of a 16-core machine: ``--workers 8 --rows 20000000``)
 """
 
 from __future__ import annotations
@@ -113,6 +114,64 @@ def _shard_block(keys, args, calls, start, dask_worker=None) -> float:
     return time.perf_counter() - t0
 
 
+def _shard_records(since, dask_worker=None) -> list:
+    """On a worker: ``(start, stop)`` of its shard calls that ended after ``since``."""
+    records = dask_worker.plugins["dasktensor-models"].calls.since(since)["records"]
+    return [(r[2], r[3]) for r in records if r[0] == "shard"]
+
+
+#: the stages of a sharded evaluation, in order (see :func:`breakdown`)
+STAGES = (
+    ("caller, before the sends", "the thunk, finding the shards, the parameters"),
+    ("to the shards", "pickle, send, the worker's thread wakes, unpickle (mean over shards)"),
+    ("shard's own work", "the partial graph over the shard's rows (mean over shards)"),
+    ("waiting for the slowest shard", "the last shard's end after the mean shard's end"),
+    ("replies", "the last reply's way back, read by the caller"),
+    ("caller, after the replies", "reduce the partial values, run the combine graph"),
+)
+
+
+def breakdown(label, f, client, q, calls: int) -> dict[str, float]:
+    """Where the time of one sharded evaluation goes, from ``calls`` back-to-back
+    evaluations: the caller's timestamps (``ShardedExecutor.trace``) and the workers' call
+    logs (each shard call's start and stop), on one machine's clock.  Medians per
+    evaluation, in seconds, keyed as :data:`STAGES`."""
+    import statistics
+
+    ex = f.maker.linker.sharded
+    ex.trace = trace = []
+    t0 = time.time()
+    for _ in range(calls):
+        f(q)
+    ex.trace = None
+    runs = sorted(r for found in client.run(_shard_records, t0).values() for r in found)
+    parts: dict[str, list[float]] = {name: [] for name, _ in STAGES}
+    for called, sent, answered, done in trace:
+        mine = [(a, b) for a, b in runs if sent <= a <= answered]
+        if not mine:  # (a record lost to the log's length: skip the evaluation)
+            continue
+        ends = [b for _, b in mine]
+        mean_end = statistics.mean(ends)
+        values = (
+            sent - called,
+            statistics.mean(a for a, _ in mine) - sent,
+            statistics.mean(b - a for a, b in mine),
+            max(ends) - mean_end,
+            answered - max(ends),
+            done - answered,
+        )
+        for (name, _), v in zip(STAGES, values):
+            parts[name].append(v)
+    medians = {name: statistics.median(v) for name, v in parts.items()}
+    total = statistics.median(d - c for c, _, _, d in trace)
+    print(
+        f"\n{label}: one sharded evaluation, median of {len(trace)} back to back ({total * 1e3:.2f} ms)"
+    )
+    for name, why in STAGES:
+        print(f"  {name:<31} {medians[name] * 1e3:7.3f} ms   {why}")
+    return medians
+
+
 def evaluations(label, make, client, calls, rounds) -> list[Row]:
     """Per-evaluation rows of one model: default vs DASK sharded vs the machine's ceiling,
     in alternating blocks of back-to-back evaluations (as a sampler calls them)."""
@@ -167,6 +226,7 @@ def evaluations(label, make, client, calls, rounds) -> list[Row]:
         f"{label}: blocks of {calls} back-to-back evaluations, {rounds} per variant in "
         "alternating order; the ceiling: each shard's own work, both workers at once"
     )
+    parts = breakdown(label, f, client, q, max(calls, 50))
     done = linker.sharded.stats
     per_eval = (done["bytes_sent"] - stats["bytes_sent"]) / (done["calls"] - stats["calls"])
     held = client.run(_held, keys)
@@ -182,13 +242,14 @@ def evaluations(label, make, client, calls, rounds) -> list[Row]:
             NAME, f"{label}: share of the ceiling (ceiling / sharded)", t_ceil / t_dask, 0.85, True
         ),
         Row(NAME, f"{label}: sharded minus the shards' work", t_dask - t_ceil, unit="s"),
+        *(Row(NAME, f"{label}: breakdown: {name}", v, unit="s") for name, v in parts.items()),
         Row(NAME, f"{label}: bytes sent per eval", per_eval, 1024, unit=" B"),
         Row(NAME, f"{label}: data held by the shards (MB)", round(sum(held.values()) / 1e6, 1)),
         Row(NAME, f"{label}: first call (build shards)", first, unit="s"),
     ]
 
 
-def sampling(client, draws: int, tune: int) -> list[Row]:
+def sampling(client, draws: int, tune: int, rows: int = 2_000_000) -> list[Row]:
     """pm.sample of the linear regression, default mode vs DASK sharded."""
     import numpy as np
     import pymc as pm
@@ -196,7 +257,7 @@ def sampling(client, draws: int, tune: int) -> list[Row]:
     import dasktensor as dt
 
     def run(mode):
-        model = linreg()
+        model = linreg(rows)
         kwargs = {} if mode is None else {"compile_kwargs": {"mode": mode}}
         t0 = time.perf_counter()
         with model:
@@ -230,22 +291,32 @@ def sampling(client, draws: int, tune: int) -> list[Row]:
 
 
 def main(
-    sample: bool = True, draws: int = 300, tune: int = 300, calls: int = 20, rounds: int = 7
+    sample: bool = True,
+    draws: int = 300,
+    tune: int = 300,
+    calls: int = 20,
+    rounds: int = 7,
+    workers: int = 2,
+    rows: int = 2_000_000,
 ) -> list[Row]:
     quiet()
     print(f"[{NAME}] {versions_line()}")
-    rows: list[Row] = [load_row(NAME)]
+    out: list[Row] = [load_row(NAME)]
     with limit_blas(1):
         print(f"client BLAS threads: {blas_threads()}")
-        with local_cluster(n_workers=2, threads_per_worker=1) as client:
-            print(f"worker BLAS threads: {worker_blas_threads(client)}")
-            rows += evaluations("linreg 2M", linreg, client, calls, rounds)
-            rows += evaluations("hier-logit 1M", hier_logit, client, calls, rounds)
+        with local_cluster(n_workers=workers, threads_per_worker=1) as client:
+            print(f"worker BLAS threads: {worker_blas_threads(client)}; {workers} workers")
+            out += evaluations(
+                f"linreg {rows / 1e6:g}M", lambda: linreg(rows), client, calls, rounds
+            )
+            out += evaluations(
+                f"hier-logit {rows / 2e6:g}M", lambda: hier_logit(rows // 2), client, calls, rounds
+            )
             if sample:
-                rows += sampling(client, draws, tune)
-    rows.append(load_row(NAME))
-    print_rows(rows, title=f"[{NAME}] summary")
-    return rows
+                out += sampling(client, draws, tune, rows)
+    out.append(load_row(NAME))
+    print_rows(out, title=f"[{NAME}] summary")
+    return out
 
 
 if __name__ == "__main__":
@@ -253,5 +324,15 @@ if __name__ == "__main__":
     parser.add_argument("--no-sample", action="store_true", help="skip pm.sample")
     parser.add_argument("--draws", type=int, default=300)
     parser.add_argument("--tune", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (2)")
+    parser.add_argument(
+        "--rows", type=int, default=2_000_000, help="rows of linreg (2,000,000; hier-logit: half)"
+    )
     args = parser.parse_args()
-    main(sample=not args.no_sample, draws=args.draws, tune=args.tune)
+    main(
+        sample=not args.no_sample,
+        draws=args.draws,
+        tune=args.tune,
+        workers=args.workers,
+        rows=args.rows,
+    )

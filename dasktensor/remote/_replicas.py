@@ -219,7 +219,7 @@ class ReplicaSet:
         with self.building:
             return self._find_or_build_alone(client)
 
-    def _find_or_build_alone(self, client) -> dict[str, tuple]:
+    def _find_or_build_alone(self, client, tries: int = 3) -> dict[str, tuple]:
         spec = self.spec
         if lost_scheduler(client):  # asking it would wait for the client to reconnect
             raise SchedulerLostError(
@@ -266,14 +266,17 @@ class ReplicaSet:
             # holder of a replica another process built there meanwhile.
             hold = bool(spec.resources) and spec.hold_resources
             started = time.time()  # (the scheduler stamps events with its clock)
-            with carrying(getattr(spec.factory, "nbytes", 0)):
+            shipped = _sent_ahead(
+                client, self.factory, getattr(spec.factory, "nbytes", 0), targets
+            )
+            with carrying(getattr(spec.factory, "nbytes", 0) if not shipped else 0):
                 futures = {
                     a: submit(
                         client,
                         tasks.build_replica,
                         spec.key,
                         spec.name,
-                        self.factory,
+                        shipped.get(a, self.factory),
                         spec.concurrency,
                         lease_of(spec, client),
                         spec.replicas is None,  # scalable: a replica on each worker
@@ -286,12 +289,16 @@ class ReplicaSet:
                 }
             with task_slot_released():  # (called from a task: see there)
                 built = _gather_builds(client, futures)  # a factory's error is raised here
+            del shipped  # (the workers drop their copies: the replicas hold what they need)
             if hold:
                 hold_resources(spec, client, [a for a, new in built if new])
             self.leased.update(a for a, new in built if new)  # (built with the lease)
             held.update(_endpoints(client, spec.key, [a for a, _ in built if a not in held]))
             if not held:
                 why = memory_restart(client, {a: workers[a] for a in targets}, started - 5)
+                if not why and tries > 1:  # the workers left (a worker killed a moment
+                    # before, still listed and answering when they were chosen): others
+                    return self._find_or_build_alone(client, tries - 1)
                 raise RemoteModelError(
                     f"{spec!r}: expected replicas on {targets}, none was built: "
                     + (f"{why}" if why else "the workers left while building it (see their logs)")
@@ -301,6 +308,34 @@ class ReplicaSet:
             share(spec, client, found)
             self.leased.update(found)
         return held
+
+
+#: a factory carrying at least this many bytes of data (``factory.nbytes``: a data
+#: shard's rows) is sent to its workers ahead of its build task (see :func:`_sent_ahead`)
+SEND_AHEAD_BYTES = 2**20
+
+
+def _sent_ahead(client, factory, nbytes: int, targets: list[str]) -> dict:
+    """``{worker address: Future}`` of copies of a factory that carries ``nbytes`` of data,
+    sent straight to each of ``targets`` (``client.scatter(direct=True)``), for its build
+    task to take as argument; empty for a small factory, or when a worker cannot be
+    reached directly (the task then carries the factory, through the scheduler).
+
+    A task's arguments travel through the scheduler, which unpickles and pickles them
+    again on its event loop: for the 56 MB shards of the P9 regression that was 1.0-1.4 s
+    before the build task started (``docs/performance.md``).  A copy sent ahead goes
+    straight to its worker, its arrays as out-of-band frames, and the build task, placed
+    there, reads it from the worker's memory.  A rebuild (the worker lost) sends it again.
+    """
+    if not isinstance(nbytes, int) or nbytes < SEND_AHEAD_BYTES:
+        return {}
+    try:
+        with task_slot_released():  # (called from a task: see there)
+            return {
+                a: client.scatter(factory, workers=[a], direct=True, hash=False) for a in targets
+            }
+    except Exception:  # the workers are not reachable from here: through the scheduler
+        return {}
 
 
 def _gather_builds(client, futures: dict) -> list[tuple[str, bool]]:

@@ -98,7 +98,7 @@ class ShardServer:
     (slice(4, 5, None), [np.float64(10.0), np.float64(4.0)])
     """
 
-    def __init__(self, runner, rows, blocks: Blocks | None = None):
+    def __init__(self, runner, rows, blocks: Blocks | None = None, warm: list | None = None):
         # rows unpickled from a network frame may be read-only, unaligned or strided (a
         # shard of X.T's columns): one C-ordered copy, so that blocks are contiguous runs
         self.rows = [np.require(r, requirements=["C", "A", "W"]) for r in rows]
@@ -112,6 +112,24 @@ class ShardServer:
         step = blocks.rows if blocks else 0
         #: the row ranges run one at a time (empty: all rows at once)
         self.ranges = [slice(a, min(a + step, n)) for a in range(0, n, step)] if n > step else []
+        if warm is not None:
+            self._warm(warm)
+
+    def _warm(self, args) -> None:
+        """Run the partial graph once over the first block of rows with ``args`` (the
+        first call's arguments): its compilation (Numba's, on first call: 1.5-1.8 s for
+        the P9 regression) is then part of the build, not of the first evaluation.  A
+        failure is the first call's to report."""
+        axes = self.blocks.axes if self.ranges else None
+        block = (
+            [take_rows(r, ax, self.ranges[0]) for r, ax in zip(self.rows, axes)]
+            if axes is not None
+            else self.rows
+        )
+        try:
+            self.runner(*block, *args)
+        except Exception:
+            pass
 
     def run(self, *args) -> list:
         """The partial values of this shard for these parameters and guesses."""
@@ -164,10 +182,12 @@ class ShardFactory:
     (32, [np.float64(4.0)])
     """
 
-    def __init__(self, runner, rows, blocks: Blocks | None = None):
+    def __init__(self, runner, rows, blocks: Blocks | None = None, warm: list | None = None):
         self.runner = runner
         self.rows = list(rows)
         self.blocks = blocks
+        #: arguments of a first call, run once at build (see ``ShardServer._warm``)
+        self.warm = warm
 
     @property
     def nbytes(self) -> int:
@@ -175,7 +195,7 @@ class ShardFactory:
         return int(sum(r.nbytes for r in self.rows))
 
     def __call__(self) -> ShardServer:
-        return ShardServer(self.runner, self.rows, self.blocks)
+        return ShardServer(self.runner, self.rows, self.blocks, self.warm)
 
 
 # ----------------------------------------------------------------------------- caller
@@ -188,7 +208,11 @@ class Split:
         self.plan = plan
         part, comb = plan.partial_graph(), plan.combine_graph()
         self.partial = TaskRunner(part.inputs, part.outputs, backend="inner", name="shard")
-        self.combine = TaskRunner(comb.inputs, comb.outputs, backend="inner", name="combine")
+        self.combine = _shared_runner(
+            TaskRunner(comb.inputs, comb.outputs, backend="inner", name="combine")
+        )
+        #: the combine graph's inputs' types (for a warm-up, see :meth:`warm_combine`)
+        self.combine_types = [v.type for v in comb.inputs]
         where = {v: i for i, v in enumerate(fgraph.inputs)}
         self.params = [where[v] for v in plan.param_inputs]
         self.rest = [where[v] for v in plan.rest_inputs]
@@ -207,6 +231,29 @@ class Split:
         """Whether data of these shapes is split by this plan."""
         return all(np.shape(v) == d.shape for v, d in zip(data, self.plan.data))
 
+    def warm_combine(self) -> threading.Thread | None:
+        """Run the combine graph once on zeros in a thread, while the shards are built:
+        its compilation (Numba's, on first call: ~0.6 s for the P9 regression) is then
+        done when the first evaluation's partial values arrive.  None when this process
+        ran it already (copies of a function share the runner, see ``_shared_runner``).
+        The values are thrown away; Numba compiles for the inputs' types (dtype,
+        dimensions), whatever their shapes, before running."""
+        if self.combine.compiled_functions:
+            return None
+        zeros = [
+            np.zeros([1 if d is None else d for d in t.shape], t.dtype) for t in self.combine_types
+        ]
+
+        def run():
+            try:
+                self.combine(*zeros)
+            except Exception:  # (the first evaluation reports a real problem)
+                pass
+
+        thread = threading.Thread(target=run, name="dasktensor-warm-combine", daemon=True)
+        thread.start()
+        return thread
+
 
 class ShardStages:
     """K resident stages on the cluster, stage ``i`` holding shard ``i`` of ``data``.
@@ -217,7 +264,16 @@ class ShardStages:
     process making the same stages finds and holds the same replicas.
     """
 
-    def __init__(self, split: Split, data: list, client, k: int, workers: list[str], token: str):
+    def __init__(
+        self,
+        split: Split,
+        data: list,
+        client,
+        k: int,
+        workers: list[str],
+        token: str,
+        warm: list | None = None,
+    ):
         self.split, self.data, self.pid = split, list(data), os.getpid()
         self.models = []
         for i, rows in enumerate(split.plan.slices(k)):
@@ -225,7 +281,7 @@ class ShardStages:
             parts = [d.take(v, rows) for d, v in zip(split.plan.data, data)]
             self.models.append(
                 RemoteModel(
-                    ShardFactory(split.partial, parts, split.blocks),
+                    ShardFactory(split.partial, parts, split.blocks, warm),
                     name="shard",
                     replicas=1,
                     workers=order or None,
@@ -270,9 +326,12 @@ class _SharedStages(ProcessState):
         self.lock = threading.Lock()
 
 
-def shared_stages(split: Split, data: list, client, k: int, workers: list[str]) -> ShardStages:
+def shared_stages(
+    split: Split, data: list, client, k: int, workers: list[str], warm: list | None = None
+) -> ShardStages:
     """The stages of ``split``'s shards of ``data`` on ``client``, K of them, built unless
-    this process has them already.
+    this process has them already; ``warm``: a first call's arguments, run once by each
+    shard as it is built (see ``ShardServer._warm``).
 
     Their identity on the cluster is a token of what defines them -- the partial graph
     (its runner's identity), the data's bytes, K and the blocks -- so that other processes
@@ -288,9 +347,30 @@ def shared_stages(split: Split, data: list, client, k: int, workers: list[str]) 
     with state.lock:  # one build for copies asking at once
         found = state.stages.get(key)
         if found is None:
-            found = ShardStages(split, data, client, k, workers, token)
+            found = ShardStages(split, data, client, k, workers, token, warm)
             found.start()
             state.stages[key] = found
+        return found
+
+
+class _SharedRunners(ProcessState):
+    """Combine graphs' runners of this process, by identity: copies of a sharded function
+    (``logp_dlogp_function`` copies held by a sampler's chains, pickled or not) compile
+    their combine graph once, not once each."""
+
+    def __init__(self):
+        self.runners: weakref.WeakValueDictionary[str, TaskRunner] = weakref.WeakValueDictionary()
+        self.lock = threading.Lock()
+
+
+def _shared_runner(runner: TaskRunner) -> TaskRunner:
+    """The runner of this process computing what ``runner`` computes (``runner`` if none)."""
+    state = runtime.state(_SharedRunners)
+    identity = runner.identity
+    with state.lock:
+        found = state.runners.get(identity)
+        if found is None:
+            state.runners[identity] = found = runner
         return found
 
 
@@ -341,16 +421,23 @@ class ShardedExecutor:
         self._lock = runtime.lock()  # the executor outlives a fork (a sampler child's)
         #: calls made sharded, rounds of shard calls, bytes of arguments sent, builds
         self.stats = {"calls": 0, "rounds": 0, "bytes_sent": 0, "builds": 0}
+        #: a list to trace evaluations in (None: no trace): ``(called, sent, answered,
+        #: done)`` per evaluation, ``time.time()`` when the thunk was called, before the
+        #: shards' calls were sent, when their last reply was read and when the outputs
+        #: were ready (``benchmarks/bench_p9_sharding.py`` breaks an evaluation down with
+        #: it and the workers' call logs)
+        self.trace: list | None = None
 
     def __call__(self, values) -> list | None:
         """The outputs, or None when this call is not sharded (no client, one worker)."""
+        called = time.time() if self.trace is not None else 0.0
         kind, client = self.scheduler.resolve()
         if kind != "client":
             return None
         entry = self.entry_for(client, values)
         if entry.stages is None:
             return None
-        return self._evaluate(entry, values)
+        return self._evaluate(entry, values, called)
 
     def key(self, values) -> tuple:
         """What decides the shards: the values of the shared variables that are data
@@ -396,7 +483,13 @@ class ShardedExecutor:
             self._changed(f"unsharded, the cluster at {address} has {len(workers)} worker(s)")
             later = time.monotonic() + _config.seconds("remote.refresh-interval")
             return _Entry(self.key(values), recheck=later)
-        stages = shared_stages(split, data, client, k, workers)
+        warming = split.warm_combine()  # (while the shards are built)
+        warm = [*(values[p] for p in split.params), *split.plan.guesses()]
+        try:
+            stages = shared_stages(split, data, client, k, workers, warm)
+        finally:
+            if warming is not None:
+                warming.join()
         built = stages.built
         self.stats["builds"] += 1
         self._changed(f"{k} shards of ~{split.plan.n_rows // k} rows on {', '.join(built)}")
@@ -406,7 +499,7 @@ class ShardedExecutor:
         if self.on_change is not None:
             self.on_change(describe(self.result, self.shards, now))
 
-    def _evaluate(self, entry: _Entry, values) -> list:
+    def _evaluate(self, entry: _Entry, values, called: float = 0.0) -> list:
         stages, split = entry.stages, entry.split
         plan = split.plan
         params = [values[p] for p in split.params]
@@ -414,7 +507,9 @@ class ShardedExecutor:
         guesses = plan.guesses()
         for _ in range(2):
             args = [*params, *guesses]
+            sent = time.time() if self.trace is not None else 0.0
             per_shard = stages.call(args)
+            answered = time.time() if self.trace is not None else 0.0
             self.stats["rounds"] += 1
             self.stats["bytes_sent"] += len(per_shard) * sum(getattr(a, "nbytes", 0) for a in args)
             totals = [
@@ -425,6 +520,8 @@ class ShardedExecutor:
             truth = out[split.n_out :]
             if all(np.array_equal(t, g) for t, g in zip(truth, guesses)):
                 self.stats["calls"] += 1
+                if self.trace is not None:
+                    self.trace.append((called, sent, answered, time.time()))
                 return list(out[: split.n_out])
             guesses = [np.asarray(t, dtype=bool) for t in truth]
         raise RuntimeError(  # pragma: no cover - the true values do not depend on guesses
