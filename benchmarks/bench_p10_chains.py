@@ -1,27 +1,39 @@
-"""P10: 8 NUTS chains on a 2-worker cluster with dt.sample, against pm.sample(cores=2).
+"""P10: chains on one machine, ``pm.sample(cores=N)`` against ``dt.sample`` on N workers.
 
-A hierarchical model (50 groups x 200 observations, non-centred group means): 8 chains x
-(500 tune + 500 draws), the same seed everywhere, in one run, rounds interleaved:
+Most people first try ``dt.sample`` on the one machine they have, where it must not lose
+to PyMC's own multiprocessing.  A logistic regression (``--rows`` x 20 features, default
+20,000), ``--chains`` chains (4) x (300 tune + 300 draws), the same seed everywhere:
 
-* ``pm.sample(chains=8, cores=2)``: PyMC's own multiprocess sampling on this host (2
-  processes, where ``pm.sample`` is at home);
-* ``dt.sample(chains=8)`` on a ``LocalCluster`` of 2 worker processes x 1 thread: the
-  chains as Dask segments of ~``dasktensor.sample.segment-seconds`` each;
-* ``dt.sample`` again, with one worker SIGKILLed halfway through the run (a callback at
-  the draw where half of all draws are recorded); its nanny starts a new one.
+* ``pm.sample(chains=C, cores=N)``: PyMC's own processes on this host (forked on Linux);
+* ``dt.sample(chains=C)`` on a ``LocalCluster`` of ``--workers`` N (2) worker processes x
+  1 thread, started in the same process (its start is printed as "connect", and not
+  counted in the ratio: a notebook connects once).
 
-Targets: dt / pm wall time <= 1.05 (parity on one host); the faulty run's extra time over
-the run without fault <= one segment plus the worker's restart (both printed); the
-faulty run's draws identical to the run without fault.  Also printed: whether dt's draws
-equal pm.sample's (on PyTensor 3 a step method compiled in the sampling process and one
-unpickled in another can differ in the last bits: see ``tests/_sample_models.py``).
+Each variant runs in a **fresh process with empty compile caches** (a temporary PyTensor
+``base_compiledir`` and ``NUMBA_CACHE_DIR``, inherited by its workers and by PyMC's
+processes) and samples twice there: the first run is **cold**, the second, the same model
+sampled again in the same process (on the same cluster), **warm**.  The variants alternate
+in blocks (pm, dt, dt, pm, ...) and the medians are compared.  Also printed: dt.sample's
+wall-time breakdown (connect, PyMC's setup, step method pickled and sent, compiled on the
+workers, tuning, draws, gathering, conversion), and whether its draws equal pm.sample's.
+On PyTensor 3 a step method compiled in the sampling process and one unpickled in another
+can differ in the last bits (Numba's fast-math; see ``tests/_sample_models.py``): equality
+is then checked to round-off.
 
-Run: ``python benchmarks/bench_p10_chains.py [--rounds N] [--draws N] [--tune N]``
+Goals (2-core machine, 4 chains on 2 workers): pm / dt >= 1.0 warm and >= 0.9 cold.
+
+``--fault`` adds the older P10 measurement: a worker SIGKILLed halfway through a run (the
+faulty run's draws identical to the run without fault, its extra time about a segment
+plus the worker's restart).
+
+Run: ``python benchmarks/bench_p10_chains.py [--rounds N] [--chains C] [--workers N]
+[--rows R] [--draws N] [--tune N] [--fault]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import statistics
@@ -30,7 +42,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Row, load_row, local_cluster, print_rows, quiet, versions_line
+from _common import (
+    SINGLE_THREAD_ENV,
+    Row,
+    load_row,
+    local_cluster,
+    print_rows,
+    quiet,
+    versions_line,
+)
 
 NAME = "p10-chains"
 CHAINS = 8
@@ -64,7 +84,177 @@ def _posterior(result):
     return result["posterior"].to_dataset() if hasattr(result, "children") else result.posterior
 
 
-def main(rounds: int = 3, draws: int = 500, tune: int = 500) -> list[Row]:
+COLD_AND_WARM = ("cold", "warm")
+
+
+def regression(rows: int = 20_000, features: int = 20):
+    """A logistic regression: ``rows`` observations of ``features`` predictors."""
+    import numpy as np
+    import pymc as pm
+
+    rng = np.random.default_rng(SEED)
+    X = rng.normal(size=(rows, features))
+    beta = rng.normal(scale=0.5, size=features)
+    y = rng.binomial(1, 1 / (1 + np.exp(-(X @ beta))))
+    with pm.Model() as m:
+        b0 = pm.Normal("b0", 0, 2)
+        b = pm.Normal("b", 0, 1, shape=features)
+        pm.Bernoulli("y", logit_p=b0 + pm.math.dot(X, b), observed=y)
+    return m
+
+
+def child(variant: str, out: str, chains: int, workers: int, rows: int, draws: int,
+          tune: int) -> None:  # fmt: skip
+    """In a fresh process: sample twice (cold, then warm); write times, breakdowns, draws."""
+    import json
+
+    import numpy as np
+
+    quiet()
+    import pymc as pm
+
+    import dasktensor as dt
+    from dasktensor.sampling import last_breakdown
+
+    run = dict(draws=draws, tune=tune, chains=chains, random_seed=SEED, progressbar=False,
+               compute_convergence_checks=False)  # fmt: skip
+    record: dict = {"variant": variant}
+    m = regression(rows)
+    with contextlib.ExitStack() as stack:
+        client = None
+        if variant == "dt":
+            t0 = time.perf_counter()
+            client = stack.enter_context(local_cluster(n_workers=workers))
+            record["connect"] = time.perf_counter() - t0
+        for case in COLD_AND_WARM:
+            t0 = time.perf_counter()
+            with m:
+                if variant == "pm":
+                    result = pm.sample(**run, cores=workers)
+                else:
+                    result = dt.sample(**run, client=client)
+            record[case] = time.perf_counter() - t0
+            if variant == "dt":
+                b = last_breakdown()
+                record[f"{case}-breakdown"] = {
+                    "phases": b.phases, "compile": max(b.compile.values(), default=0.0),
+                    "reused": b.reused, "gathering": b.gathering, "segments": b.segments,
+                    "utilisation": b.utilisation, "table": b.table(),
+                }  # fmt: skip
+        posterior = _posterior(result)
+        np.savez(out + ".npz", **{v: posterior[v].values for v in ("b0", "b")})
+    with open(out, "w") as f:
+        json.dump(record, f)
+
+
+def _spawn(variant: str, args, scratch: str) -> dict:
+    """Run ``child(variant)`` in a fresh interpreter with empty compile caches."""
+    import json
+    import subprocess
+    import tempfile
+
+    caches = tempfile.mkdtemp(prefix=f"p10-{variant}-", dir=scratch)
+    out = os.path.join(caches, "result.json")
+    env = dict(os.environ, **SINGLE_THREAD_ENV)
+    env["PYTENSOR_FLAGS"] = ",".join(
+        f for f in [os.environ.get("PYTENSOR_FLAGS", ""), f"base_compiledir={caches}/pytensor"] if f
+    )
+    env["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
+    command = [sys.executable, os.path.abspath(__file__), "--child", variant, "--out", out,
+               "--chains", str(args.chains), "--workers", str(args.workers),
+               "--rows", str(args.rows), "--draws", str(args.draws), "--tune", str(args.tune)]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the {variant} process failed:\n{done.stderr[-4000:]}")
+    with open(out) as f:
+        record = json.load(f)
+    record["draws-file"] = out + ".npz"
+    return record
+
+
+def compare(args) -> list[Row]:
+    """Alternating blocks of fresh processes; medians of pm / dt, cold and warm."""
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    quiet()
+    print(f"[{NAME}] {versions_line()}", flush=True)
+    label = f"{args.chains} chains, {args.workers} workers, {args.rows} rows"
+    scratch = tempfile.mkdtemp(prefix="p10-")
+    records: dict[str, list[dict]] = {"pm": [], "dt": []}
+    rows = [load_row(NAME)]
+    try:
+        for r in range(args.rounds):
+            order = ("pm", "dt") if r % 2 == 0 else ("dt", "pm")
+            for variant in order:
+                record = _spawn(variant, args, scratch)
+                records[variant].append(record)
+                extra = f" (connect {record['connect']:.1f} s)" if variant == "dt" else ""
+                print(f"[{NAME}] round {r}: {variant} cold {record['cold']:.1f} s, warm "
+                      f"{record['warm']:.1f} s{extra}", flush=True)  # fmt: skip
+            for case in COLD_AND_WARM:
+                print(records["dt"][-1][f"{case}-breakdown"]["table"].replace(
+                    "dt.sample:", f"[{NAME}] round {r} dt.sample {case}:"), flush=True)  # fmt: skip
+        med = {(v, c): statistics.median(x[c] for x in records[v])
+               for v in records for c in COLD_AND_WARM}  # fmt: skip
+        ratios = {c: [p[c] / d[c] for p, d in zip(records["pm"], records["dt"])]
+                  for c in COLD_AND_WARM}  # fmt: skip
+        a = np.load(records["pm"][0]["draws-file"])
+        b = np.load(records["dt"][0]["draws-file"])
+        exact = all(np.array_equal(a[v], b[v]) for v in a.files)
+        close = all(np.allclose(a[v], b[v], rtol=1e-6, atol=1e-8) for v in a.files)
+        connect = statistics.median(x["connect"] for x in records["dt"])
+        for case, goal in (("cold", 0.9), ("warm", 1.0)):
+            rows += [
+                Row(NAME, f"pm.sample(cores={args.workers}) {case} (s), median",
+                    round(med["pm", case], 2)),
+                Row(NAME, f"dt.sample, {args.workers} workers, {case} (s), median",
+                    round(med["dt", case], 2)),
+                Row(NAME, f"pm / dt {case}, median of {args.rounds} rounds ({label})",
+                    round(statistics.median(ratios[case]), 3), goal, True),
+            ]  # fmt: skip
+        for case in COLD_AND_WARM:
+            phases = {}
+            for x in records["dt"]:
+                for k, v in x[f"{case}-breakdown"]["phases"].items():
+                    phases.setdefault(k, []).append(v)
+            for k, v in phases.items():
+                rows.append(Row(NAME, f"dt {case}: {k} (s), median", round(statistics.median(v), 2)))
+            rows.append(Row(NAME, f"dt {case}: step method usable on the workers (s), median",
+                            round(statistics.median(x[f"{case}-breakdown"]["compile"]
+                                                    for x in records["dt"]), 2)))  # fmt: skip
+        rows += [
+            Row(NAME, "connect: LocalCluster started (s), median, not in the ratio",
+                round(connect, 2)),
+            Row(NAME, "pm / dt cold, the cluster's start counted",
+                round(med["pm", "cold"] / (med["dt", "cold"] + connect), 3)),
+            Row(NAME, "draws identical to pm.sample's (1/0)", int(exact)),
+            Row(NAME, "draws equal to pm.sample's to round-off (1/0)", int(close), 1, True),
+        ]  # fmt: skip
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    rows.append(load_row(NAME))
+    print_rows(rows, title=f"[{NAME}] summary ({args.rounds} rounds, {args.tune} + "
+               f"{args.draws} draws, {label})")  # fmt: skip
+    return rows
+
+
+def main(rounds: int = 3, draws: int = 300, tune: int = 300, chains: int = 4, workers: int = 2,
+         rows: int = 20_000, fault: bool = False) -> list[Row]:  # fmt: skip
+    """The comparison (and with ``fault`` the run with a worker killed); for run_all."""
+    args = argparse.Namespace(rounds=rounds, draws=draws, tune=tune, chains=chains,
+                              workers=workers, rows=rows)  # fmt: skip
+    out = compare(args)
+    if fault:
+        out += fault_run()
+    return out
+
+
+def fault_run(rounds: int = 1, draws: int = 500, tune: int = 500) -> list[Row]:
+    """pm.sample(cores=2) and dt.sample of a hierarchical model, then dt.sample with a worker
+    SIGKILLed halfway through."""
     import pymc as pm
 
     import dasktensor as dt
@@ -164,7 +354,18 @@ def _restart_time(client) -> float:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--draws", type=int, default=500)
-    parser.add_argument("--tune", type=int, default=500)
+    parser.add_argument("--chains", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=20_000)
+    parser.add_argument("--draws", type=int, default=300)
+    parser.add_argument("--tune", type=int, default=300)
+    parser.add_argument("--fault", action="store_true", help="also a worker killed mid-run")
+    parser.add_argument("--child", choices=["pm", "dt"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    main(rounds=args.rounds, draws=args.draws, tune=args.tune)
+    if args.child:
+        child(args.child, args.out, args.chains, args.workers, args.rows, args.draws, args.tune)
+    else:
+        compare(args)
+        if args.fault:
+            fault_run()

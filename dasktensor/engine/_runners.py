@@ -77,12 +77,17 @@ def _host_compile_lock():
 
 
 @contextlib.contextmanager
-def compiling():
+def compiling(host: bool = True):
     """Hold while compiling PyTensor code (or unpickling a compiled function): one
     compilation at a time in this process (PyTensor's compilation is not thread-safe)
-    and on this host (processes share its compile directory)."""
-    with runtime.state(_Runners).compile_lock, _host_compile_lock():
+    and, with ``host``, on this host (processes share its compile directory)."""
+    with runtime.state(_Runners).compile_lock, _host_compile_lock() if host else _nothing():
         yield
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 def _aligned(value):

@@ -6,10 +6,14 @@
   twinned away from silent workers, recorded into PyMC's traces;
 * ``_segments.py``: the worker's side: a run's step method, compiled once per worker, and
   the segments of draws that restore a chain's state and continue it;
-* ``_store.py``: checkpoints in a zarr store, and resuming from them.
+* ``_store.py``: checkpoints in a zarr store, and resuming from them;
+* ``_breakdown.py``: where a run's wall time went (:func:`last_breakdown`).
 """
+
+from dasktensor.sampling._breakdown import Breakdown as Breakdown
+from dasktensor.sampling._breakdown import last_breakdown as last_breakdown
 
 from dasktensor.sampling._sample import sample as sample
 from dasktensor.sampling._store import StoreMismatchError as StoreMismatchError
 
-__all__ = ["StoreMismatchError", "sample"]
+__all__ = ["Breakdown", "StoreMismatchError", "last_breakdown", "sample"]

@@ -49,10 +49,20 @@ import numpy as np
 
 from dasktensor import _config
 from dasktensor.cluster import carrying, run_on_workers, scheduler_workers
-from dasktensor.sampling._segments import Start, StepMethod, aligned, forget, has_run, run_segment
+from dasktensor.sampling._segments import (
+    Start,
+    StepMethod,
+    aligned,
+    forget,
+    has_run,
+    prepare_worker,
+    run_segment,
+)
 
 #: draws of a chain's first segment when its size follows time (it measures the rate)
 FIRST_SEGMENT = 10
+#: seconds below which a chain's last segments are not split further (see _size)
+TAIL_SECONDS = 0.25
 
 # what a run did, shown as PyMC shows its own messages: at INFO, on stderr, unless the
 # application configured logging itself
@@ -88,8 +98,11 @@ class ChainRunner:
         (:class:`dasktensor.sampling._store.SampleStore`), or None to keep none.
     """
 
-    def __init__(self, client, every: int | None = None, store=None):
+    def __init__(self, client, every: int | None = None, store=None, breakdown=None):
+        from dasktensor.sampling._breakdown import Breakdown
+
         self.client, self.every, self.open_store = client, every, store
+        self.breakdown = Breakdown() if breakdown is None else breakdown
         self.token = uuid.uuid4().hex
         self.segments = 0  # segments run
         self.compiled: dict[str, int] = {}  # worker -> times it compiled the step method
@@ -99,6 +112,8 @@ class ChainRunner:
     def __call__(self, *, draws, chains, traces, start, rngs, step, callback=None, **kwargs):
         from pymc.progress_bar import MCMCProgressBarManager
 
+        timing = self.breakdown
+        timing.lap("prepare")
         tune = kwargs.get("tune", 0)
         progress = MCMCProgressBarManager(
             step_method=step,
@@ -114,8 +129,11 @@ class ChainRunner:
             store = self.open_store(layout, chains, draws)
         initial = step.sampling_state
         runs = [_Chain(c, 0, Start(initial, start[c], rngs[c])) for c in range(chains)]
-        plugin = StepMethod(self.token, _cloudpickled(step))  # functions travel as graphs
+        payload, concurrent = _cloudpickled(step)  # functions travel as graphs
+        plugin = StepMethod(self.token, payload, concurrent)
+        timing.lap("pickle")
         self._install(plugin)
+        timing.lap("send")
         recorder = _Recorder(traces, tune, draws, progress, callback, store)
         try:
             with progress:
@@ -128,7 +146,9 @@ class ChainRunner:
                     )  # fmt: skip
                 self._run(runs, tune, draws, recorder)
         finally:
+            timing.lap("draws")
             self._release(plugin.name)
+            timing.lap("release")
         if self.compiled:
             _log.info(
                 "Sampled %d chains in %d segments; the step method was compiled %d time(s) "
@@ -137,6 +157,19 @@ class ChainRunner:
             )  # fmt: skip
         else:  # the workers did not answer in time
             _log.info("Sampled %d chains in %d segments", chains, self.segments)
+
+    def prepare_workers(self) -> None:
+        """Have the workers import PyMC while the caller compiles (in a thread not
+        waited for: a silent worker would hold up ``client.run`` for Dask's connect
+        timeout)."""
+
+        def prepare():
+            try:
+                self.client.run(prepare_worker, on_error="ignore")
+            except Exception:  # the run's own calls say what is wrong with the cluster
+                pass
+
+        threading.Thread(target=prepare, name="dasktensor-prepare", daemon=True).start()
 
     def _release(self, name: str) -> None:
         """Drop the run's step methods from the workers, in a thread waited for at most
@@ -168,7 +201,7 @@ class ChainRunner:
         pending: dict = {}  # future -> (run, last draw); a twin shares its original's
 
         def submit(run: _Chain, last: int | None = None, workers=None):
-            last = min(length, run.done + self._size(run)) if last is None else last
+            last = min(length, run.done + self._size(run, tune, length)) if last is None else last
             workers = workers or self._heard or None  # not to a silent worker
             future = self.client.submit(
                 run_segment, self.token, run.start, run.done, last, tune, length,
@@ -178,6 +211,11 @@ class ChainRunner:
             future.add_done_callback(finished.put)
             return future
 
+        timing, began = self.breakdown, time.perf_counter()
+        workers: set = set()
+        tuned = all(run.done >= tune for run in runs)
+        # worker threads that can run segments (for the breakdown's utilisation)
+        timing.slots = sum(w.get("nthreads", 1) for w in scheduler_workers(self.client).values())
         for run in runs:
             if run.done < length:
                 submit(run)
@@ -215,14 +253,30 @@ class ChainRunner:
                     del pending[twin]
                 self.client.cancel(twins)
                 self.segments += 1
+                if self.segments == 1:
+                    timing.lap("first")
+                fetched = time.perf_counter()
                 recorder.segment(run, last, result)
                 if run.done < length:
                     submit(run)
+                timing.gathering += time.perf_counter() - fetched
+                timing.busy += result["seconds"] + result.get("compile", 0.0)
+                where = result.get("worker")
+                workers.add(where)
+                if where not in timing.compile:  # its first segment of the run
+                    timing.compile[where] = result.get("compile", 0.0)
+                    timing.reused += bool(result.get("reused"))
+                if not tuned and all(r.done >= tune for r in runs):
+                    tuned = True
+                    timing.lap("tuning")
         except KeyboardInterrupt:  # as pm.sample: stop, keep what was drawn
             self.client.cancel(list(pending))
         except BaseException:
             self.client.cancel(list(pending))
             raise
+        finally:
+            timing.segments, timing.workers = self.segments, len(workers)
+            timing.sampling_wall = time.perf_counter() - began
         recorder.finish(runs)
 
     def _refetch(self, future, run: _Chain, last: int, twins: list, submit) -> None:
@@ -307,13 +361,33 @@ class ChainRunner:
             "chains start on %d worker(s) that have it", len(self._heard),
         )  # fmt: skip
 
-    def _size(self, run: _Chain) -> int:
+    def _size(self, run: _Chain, tune: int = 0, length: int | None = None) -> int:
+        """Draws of ``run``'s next segment.
+
+        ``checkpoint_every`` if set.  Otherwise about ``sample.segment-seconds`` from the
+        chain's last draw rate (a first segment of ``FIRST_SEGMENT`` draws measures it),
+        with two cuts that cost a round trip each (a few milliseconds, hidden when a
+        worker has another chain's segment queued) and save whole seconds: a segment
+        ends where tuning ends, so the breakdown can tell tuning from draws; and near a
+        chain's end, segments take half of what is left (down to ``TAIL_SECONDS``), so
+        that the chains end together rather than one worker running a last long segment
+        while the others wait.
+        """
         if self.every:
             return self.every
         if run.rate is None:
-            return FIRST_SEGMENT
-        target = _config.seconds("sample.segment-seconds")
-        return max(1, int(target / max(run.rate, 1e-9)))
+            size = FIRST_SEGMENT
+        else:
+            target = _config.seconds("sample.segment-seconds")
+            rate = max(run.rate, 1e-9)
+            size = max(1, int(target / rate))
+            if length is not None:
+                left = length - run.done
+                if left * rate < 2 * target:  # the chain's last segments: halve what is left
+                    size = max(-(-left // 2), int(TAIL_SECONDS / rate), 1)
+        if run.done < tune < run.done + size:
+            size = tune - run.done
+        return size
 
 
 class _Recorder:
@@ -384,7 +458,25 @@ class _Recorder:
                 self.traces[run.index].close()
 
 
-def _cloudpickled(step) -> bytes:
+def _cloudpickled(step) -> tuple[bytes, bool]:
+    """The step method pickled, and whether the workers of a host may unpickle it at
+    once: every compiled function in it is linked by Numba (whose cache of compiled code
+    is safe to fill from several processes), none by PyTensor's C linker (whose module
+    cache is not, pymc-devs/pymc#7819)."""
+    import io
+
     import cloudpickle
 
-    return cloudpickle.dumps(step)
+    linkers: set[str] = set()
+
+    class Pickler(cloudpickle.Pickler):
+        def persistent_id(self, obj):
+            if type(obj).__name__ == "Function":
+                linker = getattr(getattr(obj, "maker", None), "linker", None)
+                if linker is not None:
+                    linkers.add(type(linker).__name__)
+            return None
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(step)
+    return buffer.getvalue(), bool(linkers) and linkers <= {"NumbaLinker"}

@@ -110,6 +110,10 @@ progressbar, model
     """
     import pymc as pm
 
+    from dasktensor.sampling._breakdown import Breakdown, _set_last
+
+    timing = Breakdown()
+    timing.start()
     refused = sorted(k for k in kwargs if k in _REFUSED)
     if refused:
         raise TypeError(
@@ -133,6 +137,7 @@ progressbar, model
     if store is not None:
         random_seed = _store_seed(store, random_seed, resume)
     client = _client(client)
+    timing.lap("connect")
     model = pm.modelcontext(model)
     if not isinstance(model, pm.Model):
         raise TypeError(f"dt.sample expected model= a pymc.Model, got {model!r}")
@@ -144,14 +149,15 @@ progressbar, model
         open_store = _store_opener(store, identity, resume)
     from dasktensor.sampling._chains import ChainRunner  # (imports distributed)
 
-    runner = ChainRunner(client, every, open_store)
+    runner = ChainRunner(client, every, open_store, breakdown=timing)
+    runner.prepare_workers()  # while PyMC compiles here
     # PyTensor's compilation is not thread-safe (two dt.sample calls in threads, on a
     # cold compile cache: a failed Apply node, or draws off in the 12th digit): one
     # pm.sample prepares (compiles) at a time, the chains of all run at once (_dispatch).
     # Not _runners.compiling()'s lock: preparing may wait for builds on in-process workers
     # that take that one.
     with _chains_run_by(runner, client, chains), _preparing, _scheduler_lost(client, store):
-        return pm.sample(
+        result = pm.sample(
             draws,
             tune=tune,
             chains=chains,
@@ -168,6 +174,11 @@ progressbar, model
             blas_cores=None,
             **kwargs,
         )
+    timing.lap("conversion")
+    _set_last(timing)
+    if progressbar:
+        print(timing.table(), flush=True)
+    return result
 
 
 @contextlib.contextmanager

@@ -9,6 +9,14 @@
   its functions, on the first segment it runs, under the process's and the host's compile
   lock (``dasktensor.engine._runners.compiling``), and keeps it, one per thread running segments
   at once, until the run ends.
+* **Compiled once per host, where it can be.**  Unpickling a step method compiles its
+  functions again; with Numba (PyTensor 3's backend) that reads the compile cache the
+  caller filled when PyMC compiled the step method (workers of the caller's host share
+  it), and the workers of a host unpickle at once.  Other backends unpickle one worker
+  of a host at a time (PyTensor's C module cache breaks under concurrent compiles,
+  pymc-devs/pymc#7819).
+* **Imports ahead.**  While PyMC compiles the step method in the caller, each worker
+  imports PyMC (:func:`prepare_worker`): a worker's first import of PyMC takes seconds.
 * **A segment** (:func:`run_segment`) restores a chain's state into that step method and
   makes draws as PyMC's ``_iter_sample`` does (see :mod:`dasktensor.sampling._chains`).
 """
@@ -36,6 +44,7 @@ class _StepMethods(ProcessState):
         self.payloads: dict[str, bytes] = {}
         self.steps: dict[str, list] = {}
         self.compiles: dict[str, int] = {}
+        self.shared: dict[str, bool] = {}  # run -> unpickled by the host's workers at once
         self.lock = threading.Lock()
 
 
@@ -51,41 +60,44 @@ class StepMethod(WorkerPlugin):
     --------
     >>> plugin = StepMethod("t0", pickle.dumps("a step method"))
     >>> plugin.setup(worker=None); (_checkout("t0"), compiles("t0"))
-    ('a step method', 1)
+    (('a step method', True), 1)
     >>> plugin.teardown(worker=None); forget("t0")
     0
     """
 
-    def __init__(self, token: str, payload: bytes):
-        self.token, self.payload = token, payload
+    def __init__(self, token: str, payload: bytes, concurrent: bool = False):
+        self.token, self.payload, self.concurrent = token, payload, concurrent
         self.name = f"dasktensor-step-method-{token}"
 
     def setup(self, worker) -> None:
         state = _state()
         with state.lock:
             state.payloads[self.token] = self.payload
+            state.shared[self.token] = self.concurrent
 
     def teardown(self, worker) -> None:
         forget(self.token)
 
 
 def _checkout(token: str):
-    """An idle compiled step method of run ``token``, or a new one from its payload."""
+    """An idle compiled step method of run ``token``, or a new one from its payload; and
+    whether it is new."""
     from dasktensor.engine import compiling
 
     state = _state()
     with state.lock:
         idle = state.steps.get(token)
         if idle:
-            return idle.pop()
+            return idle.pop(), False
         payload = state.payloads.get(token)
+        concurrent = state.shared.get(token, False)
     if payload is None:  # pragma: no cover - the plugin is set up before any task runs
         raise RuntimeError(f"this worker has no step method of run {token} (its plugin is gone)")
-    with compiling():
+    with compiling(host=not concurrent):
         step = pickle.loads(payload)
     with state.lock:
         state.compiles[token] = state.compiles.get(token, 0) + 1
-    return step
+    return step, True
 
 
 def _checkin(token: str, step) -> None:
@@ -100,8 +112,28 @@ def forget(token: str) -> int:
     state = _state()
     with state.lock:
         state.payloads.pop(token, None)
+        state.shared.pop(token, None)
         state.steps.pop(token, None)
         return state.compiles.pop(token, 0)
+
+
+def prepare_worker() -> bool:
+    """Import PyMC in this process now: a worker's first segment would otherwise spend
+    seconds on it, after the caller's compilation rather than during it.
+
+    It runs where ``client.run`` runs it, in the worker's event loop, as Dask's own
+    unpickling of a segment's arguments (PyMC's objects) would import PyMC there anyway.
+    (Not in a thread of its own: two threads importing PyMC at once can fail with a
+    "partially initialized module" ``ImportError``.)
+
+    Examples
+    --------
+    >>> prepare_worker()
+    True
+    """
+    import pymc  # noqa: F401
+
+    return True
 
 
 def has_run(token: str) -> bool:
@@ -131,7 +163,9 @@ class Start:
 def run_segment(token: str, start: Start, first: int, last: int, tune: int, length: int) -> dict:
     """On a worker: draws ``[first, last)`` of a chain from ``start``, as PyMC's
     ``_iter_sample`` makes them; the points, sampler statistics and state after them."""
-    step = _checkout(token)
+    began = time.perf_counter()
+    step, compiled = _checkout(token)
+    compile_seconds = time.perf_counter() - began if compiled else 0.0
     try:
         step.sampling_state = start.state
         if start.rng is not None:  # the chain's beginning, as pm.sample sets it up
@@ -152,9 +186,19 @@ def run_segment(token: str, start: Start, first: int, last: int, tune: int, leng
         seconds = time.perf_counter() - began
         stacked = {name: np.stack([p[name] for p in points]) for name in point}
         return {"points": stacked, "stats": stats, "state": step.sampling_state,
-                "point": point, "seconds": seconds}  # fmt: skip
+                "point": point, "seconds": seconds, "compile": compile_seconds,
+                "worker": _worker_address()}  # fmt: skip
     finally:
         _checkin(token, step)
+
+
+def _worker_address() -> str | None:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except ValueError:  # not in a worker's task (called directly)
+        return None
 
 
 def aligned(arrays: dict) -> dict:

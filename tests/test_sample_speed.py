@@ -1,0 +1,144 @@
+"""``dt.sample``'s speed on one machine: what it reports of its wall time and what it does
+to lose none (no timing is asserted: ``benchmarks/bench_p10_chains.py`` measures it).
+
+* the breakdown of a run's wall time, printed with ``progressbar=True`` and kept for
+  ``dasktensor.sampling.last_breakdown()``;
+* segments that end where tuning ends and shrink near a chain's end;
+* the workers import PyMC while the caller compiles;
+* workers of one host unpickle a Numba step method at once, not one after another under
+  the host's compile lock (which PyTensor's C backend still needs).
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import sys
+import threading
+import time
+
+import pymc as pm
+import pytest
+from _clusters import local_cluster
+from _sample_models import PICKLED, RUN, assert_same_draws, groups_of, hierarchical
+
+import dasktensor as dt
+from dasktensor import _compat
+from dasktensor.sampling import last_breakdown
+
+pytestmark = pytest.mark.slow
+
+
+def test_progressbar_prints_where_the_wall_time_went(client, capsys):
+    with hierarchical():
+        dt.sample(**dict(RUN, progressbar=True), client=client, compute_convergence_checks=False)
+    printed = capsys.readouterr().out
+    breakdown = last_breakdown()
+    assert re.search(r"dt\.sample: \d+\.\d\d s", printed), printed
+    for label in ("PyMC's setup in the caller", "step method sent to the workers",
+                  "tuning (until every chain is tuned)", "draws (until the last segment)",
+                  "conversion to PyMC's result"):  # fmt: skip
+        assert label in printed, printed
+    assert {"prepare", "pickle", "send", "first", "tuning", "draws", "release",
+            "conversion"} <= set(breakdown.phases)  # fmt: skip
+    assert all(v >= 0 for v in breakdown.phases.values())
+    assert breakdown.total == pytest.approx(sum(breakdown.phases.values()))
+    assert breakdown.segments >= RUN["chains"] * 2  # tuning and draws are apart
+    assert set(breakdown.compile) <= set(client.scheduler_info()["workers"])
+    assert 1 <= breakdown.workers == len(breakdown.compile)
+    assert 0 < breakdown.utilisation <= 1.0 + 1e-6
+
+
+def test_without_a_progressbar_nothing_is_printed_and_the_breakdown_is_kept(client, capsys):
+    with hierarchical():
+        dt.sample(**RUN, client=client, compute_convergence_checks=False)
+    assert "dt.sample:" not in capsys.readouterr().out
+    assert last_breakdown().segments >= RUN["chains"]
+
+
+def _chain(done, rate):
+    from dasktensor.sampling._chains import Start, _Chain
+
+    return _Chain(0, done, Start(None, {}), rate)
+
+
+def test_segments_end_where_tuning_ends_and_halve_near_a_chains_end():
+    import dask
+
+    from dasktensor.sampling._chains import FIRST_SEGMENT, TAIL_SECONDS, ChainRunner
+
+    runner = ChainRunner(client=None)
+    with dask.config.set({"dasktensor.sample.segment-seconds": "5s"}):
+        assert runner._size(_chain(0, None), tune=300, length=600) == FIRST_SEGMENT
+        assert runner._size(_chain(0, None), tune=4, length=600) == 4  # tuning ends at 4
+        # 10 ms a draw: 500 draws to a segment, cut where tuning ends
+        assert runner._size(_chain(10, 0.01), tune=300, length=2000) == 290
+        assert runner._size(_chain(300, 0.01), tune=300, length=2000) == 500
+        # the last 10 s of a chain: half of what is left, down to TAIL_SECONDS
+        assert runner._size(_chain(1100, 0.01), tune=300, length=2000) == 450
+        assert runner._size(_chain(1900, 0.01), tune=300, length=2000) == 50
+        assert runner._size(_chain(1990, 0.01), tune=300, length=2000) == int(TAIL_SECONDS / 0.01)
+    assert ChainRunner(client=None, every=7)._size(_chain(290, 0.01), 300, 2000) == 7
+
+
+def test_time_sized_segments_give_pm_samples_draws(client):
+    """Segments sized by time (cut at tuning's end, halved at the end) on two workers."""
+    import dask
+
+    runs = dict(RUN, draws=60, tune=50)
+    with dask.config.set({"dasktensor.sample.segment-seconds": "0.2s"}), hierarchical():
+        got = dt.sample(**runs, client=client, compute_convergence_checks=False)
+        expected = pm.sample(**runs, **PICKLED, compute_convergence_checks=False)
+    assert_same_draws(got, expected)
+    assert last_breakdown().segments > 3 * runs["chains"]
+
+
+def test_the_workers_import_pymc_while_the_caller_compiles():
+    from distributed import Client
+
+    from dasktensor.sampling._chains import ChainRunner
+
+    def imported() -> bool:
+        return "pymc" in sys.modules
+
+    with local_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as c:
+        assert not any(c.run(imported).values())
+        ChainRunner(c).prepare_workers()
+        deadline = time.monotonic() + 120
+        while not all(c.run(imported).values()):
+            assert time.monotonic() < deadline, "the workers did not import PyMC"
+            time.sleep(0.1)
+
+
+def test_which_step_methods_the_workers_of_a_host_unpickle_at_once():
+    from dasktensor.sampling._chains import _cloudpickled
+
+    with hierarchical():
+        payload, concurrent = _cloudpickled(pm.NUTS())
+        _, dasked = _cloudpickled(pm.NUTS(compile_kwargs={"mode": dt.dask_mode()}))
+    assert concurrent is _compat.PYTENSOR_3  # Numba's linker; not PyTensor 2's C linker
+    assert dasked is False
+    assert isinstance(pickle.loads(payload), pm.NUTS)
+
+
+@pytest.mark.skipif(not _compat.PYTENSOR_3, reason="PyTensor 2's C backend takes the host lock")
+def test_workers_unpickle_a_numba_step_method_without_the_host_lock(client):
+    """The host's compile lock held by this process all along: the run still ends."""
+    from dasktensor.engine._runners import _host_compile_lock
+
+    done: dict = {}
+
+    def fit():
+        try:
+            with hierarchical(shift=0.5):
+                done["result"] = dt.sample(**RUN, client=client, compute_convergence_checks=False)
+        except BaseException as e:  # reported below
+            done["error"] = e
+
+    with _host_compile_lock():
+        thread = threading.Thread(target=fit)
+        thread.start()
+        thread.join(240)
+        assert not thread.is_alive(), "the workers waited for the host's compile lock"
+    assert "error" not in done, done
+    assert groups_of(done["result"])["posterior"]["mu"].shape[0] == RUN["chains"]
