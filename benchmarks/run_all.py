@@ -41,6 +41,7 @@ BENCHMARKS = {
     "p22": "bench_p22_serve_umbridge",
     "p24": "bench_p24_pipeline",
     "p27": "bench_p27_throughput",
+    "gpu": "bench_gpu",
 }
 
 
