@@ -114,6 +114,23 @@ def _shard_block(keys, args, calls, start, dask_worker=None) -> float:
     return time.perf_counter() - t0
 
 
+def _send_once(client, stages) -> float:
+    """Seconds to pickle and send every shard's rows once, straight to its worker, all at
+    once (what a first evaluation cannot do with less)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def send(i):
+        rows, worker = stages.models[i]._spec.factory.rows, stages.built[i]
+        return client.scatter(rows, workers=[worker], direct=True, hash=False)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(stages.models)) as pool:
+        futures = [f for sent in pool.map(send, range(len(stages.models))) for f in sent]
+    took = time.perf_counter() - t0
+    client.cancel(futures)
+    return took
+
+
 def _shard_records(since, dask_worker=None) -> list:
     """On a worker: ``(start, stop)`` of its shard calls that ended after ``since``."""
     records = dask_worker.plugins["dasktensor-models"].calls.since(since)["records"]
@@ -190,7 +207,20 @@ def evaluations(label, make, client, calls, rounds) -> list[Row]:
     t0 = time.perf_counter()
     got = f(q)
     first = time.perf_counter() - t0
+    if linker.sharded is None or not linker.sharded.stages():
+        print(
+            f"\n[{NAME}] {label}: not sharded (fewer rows than the settings ask):\n{linker.plan}"
+        )
+        return [Row(NAME, f"{label}: shards", 0)]
+    made = linker.sharded.stages()[0].timings
+    sent_once = _send_once(client, linker.sharded.stages()[0])
     print(f"\n[{NAME}] {label}: {linker.plan}")
+    print(
+        f"{label}: first call {first:.2f} s: hashing the data {made['hash']:.2f} s, building "
+        f"the shards (rows sent, compiled with the first call's values) {made['build']:.2f} s, "
+        f"the rest {first - made['hash'] - made['build']:.2f} s; sending the shards' rows once "
+        f"(client.scatter, straight to their workers) {sent_once:.2f} s"
+    )
     for g, w in zip(got, ref(q)):
         np.testing.assert_allclose(g, w, rtol=1e-10)
     stats = dict(linker.sharded.stats)
@@ -246,6 +276,9 @@ def evaluations(label, make, client, calls, rounds) -> list[Row]:
         Row(NAME, f"{label}: bytes sent per eval", per_eval, 1024, unit=" B"),
         Row(NAME, f"{label}: data held by the shards (MB)", round(sum(held.values()) / 1e6, 1)),
         Row(NAME, f"{label}: first call (build shards)", first, unit="s"),
+        Row(NAME, f"{label}: first call: hashing the data", made["hash"], unit="s"),
+        Row(NAME, f"{label}: first call: building the shards", made["build"], unit="s"),
+        Row(NAME, f"{label}: sending the shards' rows once", sent_once, unit="s"),
     ]
 
 

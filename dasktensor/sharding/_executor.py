@@ -293,13 +293,19 @@ class ShardStages:
         self.targets = [m.method("run_together") for m in self.models]
         self.built: list[str] = []
         self.client = client
+        #: seconds spent making these stages: ``"hash"`` (the data's token, see
+        #: :func:`shared_stages`), ``"build"`` (sending the rows, each shard's build and
+        #: compilation, all at once)
+        self.timings: dict[str, float] = {}
         weakref.finalize(self, _release, list(self.models), self.pid, client)
 
     def start(self) -> list[str]:
         """Build every stage now (concurrently); the worker of each."""
+        t0 = time.perf_counter()
         with task_slot_released(), ThreadPoolExecutor(len(self.models)) as pool:
             found = list(pool.map(lambda m: m.start(), self.models))
         self.built = [w[0] if w else "?" for w in found]
+        self.timings["build"] = time.perf_counter() - t0
         return self.built
 
     def holds(self, data) -> bool:
@@ -341,13 +347,16 @@ def shared_stages(
     hashed once per build and copy (114 ms for the 112 MB of the P9 regression here).
     """
     address = client.scheduler.address
+    t0 = time.perf_counter()
     token = tokenize(split.partial.identity, *data, k, split.blocks, address)
+    hashed = time.perf_counter() - t0
     key = (address, token)
     state = runtime.state(_SharedStages)
     with state.lock:  # one build for copies asking at once
         found = state.stages.get(key)
         if found is None:
             found = ShardStages(split, data, client, k, workers, token, warm)
+            found.timings["hash"] = hashed
             found.start()
             state.stages[key] = found
         return found
