@@ -55,8 +55,10 @@ def _gpu_client():
     devices, how = find_devices()
     real = bool(devices)
     if not real:
-        print(f"[{NAME}] no GPU found ({how}): the GPU worker gets CUDA_VISIBLE_DEVICES=0 "
-              "and JAX runs on its CPU backend -- figures of the code path, not of a GPU")  # fmt: skip
+        print(
+            f"[{NAME}] no GPU found ({how}): the GPU worker gets CUDA_VISIBLE_DEVICES=0 "
+            "and JAX runs on its CPU backend -- figures of the code path, not of a GPU"
+        )
         os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     try:
         client = dt.connect(n_workers=1, gpus="all" if real else [0], dashboard_address=False)

@@ -142,7 +142,7 @@ def main(calls: int = 100_000, warmup: int = 100_000) -> list[Row]:
 
     errors = [e for (kind, _), v in seen.items() if kind == "errors" for e in v]
     lines, growth, sockets_changed = [], [], 0
-    for (kind, pid), (rss, socks) in sorted((k, v) for k, v in seen.items() if k[0] == "warm"):
+    for (_kind, pid), (rss, socks) in sorted((k, v) for k, v in seen.items() if k[0] == "warm"):
         end_rss, end_socks = seen[("end", pid)]
         growth.append(end_rss / rss - 1)
         sockets_changed += end_socks != socks

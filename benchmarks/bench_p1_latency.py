@@ -20,13 +20,14 @@ call):
 Targets: dasktensor's call <= 3x the raw echo and <= 0.15x pytensor-federated's, for the
 median and the p99.  Printed first: where a call's time goes, each stage of the caller's
 and the worker's side timed on its own (pickling, the replica's choice, the call log and
-the model, unpickling), and the rest, sockets and wake-ups.  Also timed: dasktensor's first call (from a new ``RemoteModel`` to
-its first result: building the replica, opening the connection; target <= 0.3 s), and the
-same with the client's connection to the scheduler included.  The cluster's worker starts
-the way ``dt.connect()`` starts them (importing dasktensor as it starts).  Also timed: the
-first call on a bare worker that has never imported dasktensor, with a model that needs
-NumPy only (:class:`BareNormal`); the worker imports ``dasktensor_worker`` for it, not
-dasktensor nor PyTensor (~1 s on the 2.38 line), which the summary checks.
+the model, unpickling), and the rest, sockets and wake-ups.  Also timed: dasktensor's
+first call (from a new ``RemoteModel`` to its first result: building the replica, opening
+the connection; target <= 0.3 s), and the same with the client's connection to the
+scheduler included.  The cluster's worker starts the way ``dt.connect()`` starts them
+(importing dasktensor as it starts).  Also timed: the first call on a bare worker that has
+never imported dasktensor, with a model that needs NumPy only (:class:`BareNormal`); the
+worker imports ``dasktensor_worker`` for it, not dasktensor nor PyTensor (~1 s on the 2.38
+line), which the summary checks.
 
 Needs ``pip install -e ".[benchmarks]"`` (pytensor-federated).
 Run: ``python benchmarks/bench_p1_latency.py``

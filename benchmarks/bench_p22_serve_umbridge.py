@@ -135,8 +135,10 @@ def p23(client) -> list[Row]:
     import arviz as az
 
     mcse = az.mcse(draws["pytensor"].posterior["theta"]).values
-    gap = np.abs(draws["pytensor"].posterior["theta"].mean(("chain", "draw")).values
-                 - draws["remote vjp"].posterior["theta"].mean(("chain", "draw")).values)  # fmt: skip
+    gap = np.abs(
+        draws["pytensor"].posterior["theta"].mean(("chain", "draw")).values
+        - draws["remote vjp"].posterior["theta"].mean(("chain", "draw")).values
+    )
     print(f"[{NAME}] P23 walls: " + ", ".join(f"{k} {v:.1f} s" for k, v in walls.items()))
     print(f"[{NAME}] P23 largest relative differences over {len(points)} draws' points: "
           f"log-density {logp_rel:.2e}, gradient {grad_rel:.2e}")  # fmt: skip

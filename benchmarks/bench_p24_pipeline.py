@@ -226,9 +226,8 @@ def p25(rows: list[Row]) -> None:
 
         got = run(placed, 4)()
         want = run(plain, 4)()
-        group = lambda r: r["posterior_predictive"]
-        y_got = np.asarray(group(got)["y"])
-        y_want = np.asarray(group(want)["y"])
+        y_got = np.asarray(got["posterior_predictive"]["y"])
+        y_want = np.asarray(want["posterior_predictive"]["y"])
         same = float(np.max(np.abs(y_got - y_want)))
         times = compare(
             {
@@ -295,7 +294,10 @@ def p26(rows: list[Row]) -> None:
     mb = 1 << 20
     print_table(
         ["inflight", "peak held by the CPU workers", "by the GPU worker", "wall"],
-        [(k, f"{c / mb:.0f} MiB", f"{gp / mb:.0f} MiB", fmt_time(w)) for k, (c, gp, w) in peaks.items()],
+        [
+            (k, f"{c / mb:.0f} MiB", f"{gp / mb:.0f} MiB", fmt_time(w))
+            for k, (c, gp, w) in peaks.items()
+        ],
         title=f"P26: {n} chunks, 2 MiB each between a 10 ms HOST stage and a 50 ms GPU stage",
     )  # fmt: skip
     rows += [

@@ -376,9 +376,11 @@ def gpu_variant(
         built = time.perf_counter() - t0
         backend = model.call("backend")
         where = "GPU" if backend.split()[0] in GPU_NAMES else "CPU"
-        print(f"[{NAME}] GPU variant: MLP {layers} x {width} (JAX) ran on {where}: backend "
-              f"{backend}; replica built (3 shapes compiled) in {built:.1f} s"
-              + ("" if where == "GPU" else " -- no GPU: JAX's CPU backend, nothing targeted"))  # fmt: skip
+        print(
+            f"[{NAME}] GPU variant: MLP {layers} x {width} (JAX) ran on {where}: backend "
+            f"{backend}; replica built (3 shapes compiled) in {built:.1f} s"
+            + ("" if where == "GPU" else " -- no GPU: JAX's CPU backend, nothing targeted")
+        )
         t1, t64 = model.call("time_forward", 1), model.call("time_forward", 64)
         xs = [np.arange(DIM, dtype=np.float64) + DIM * i for i in range(threads)]
         refs = [model.call("forward_alone", x)[0] for x in xs]

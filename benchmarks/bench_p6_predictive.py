@@ -154,7 +154,7 @@ def numpyro_variants(draws, x) -> tuple[dict, str]:
 def timed_rounds(fns, repeats: dict[str, int], warmup: int = 1) -> dict[str, float]:
     """Median seconds per call, in interleaved rounds, freeing every result (and collecting
     garbage) outside the timed region: for results of several GB."""
-    for name, fn in fns.items():
+    for fn in fns.values():
         for _ in range(warmup):
             fn()
             gc.collect()

@@ -24,8 +24,8 @@ from dasktensor.cluster import SchedulerLostError as SchedulerLostError
 from dasktensor.cluster import calls_link as calls_link
 from dasktensor.cluster import connect as connect
 from dasktensor.cluster import info as info
-from dasktensor.dataparallel import PMapped as PMapped
 from dasktensor.dataparallel import Pipeline as Pipeline
+from dasktensor.dataparallel import PMapped as PMapped
 from dasktensor.dataparallel import compute_log_likelihood as compute_log_likelihood
 from dasktensor.dataparallel import pmap as pmap
 from dasktensor.dataparallel import sample_posterior_predictive as sample_posterior_predictive
@@ -47,9 +47,9 @@ from dasktensor.remote import ClusterSummary as ClusterSummary
 from dasktensor.remote import RemoteModel as RemoteModel
 from dasktensor.remote import RemoteModelError as RemoteModelError
 from dasktensor.remote import UMBridgeError as UMBridgeError
+from dasktensor.remote import cluster_summary as cluster_summary
 from dasktensor.remote import serve_umbridge as serve_umbridge
 from dasktensor.remote import umbridge_op as umbridge_op
-from dasktensor.remote import cluster_summary as cluster_summary
 from dasktensor.sampling import StoreMismatchError as StoreMismatchError
 from dasktensor.sampling import sample as sample
 from dasktensor_worker.batching import batched as batched

@@ -4,9 +4,9 @@ Channel calls (remote models, resident stages, shards) skip the scheduler, so th
 stream does not show them.  This page is a Bokeh document like the dashboard's own
 individual plots, fed by the scheduler's :class:`~dasktensor_worker.monitor.ChannelMonitor`:
 
-* a stream of the calls per worker over the last 30 s: a time axis, a bar per call or batch (as long as it
-  took, in its model's colour, red if it raised), and on hover its model, method,
-  duration, batch size and worker;
+* a stream of the calls per worker over the last 30 s: a time axis, a bar per call or batch
+  (as long as it took, in its model's colour, red if it raised), and on hover its model,
+  method, duration, batch size and worker;
 * a table per model: calls, errors, calls in flight, mean time per call or batch, p99
   time, replicas and mean batch size.
 

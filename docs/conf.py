@@ -15,7 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "_ext"))  # the settings directive (dasktensor_settings.py)
 
-import dasktensor  # the version (autodoc imports it anyway)
+import dasktensor  # noqa: E402  the version (autodoc imports it anyway); after sys.path above
 
 project = "dasktensor"
 author = "dasktensor developers"

@@ -25,8 +25,8 @@ from _browser import browser_page, chromium_or_skip
 from dask.utils import key_split
 
 import dasktensor as dt
-from dasktensor.cluster import scheduler_workers
 from dasktensor._display import COLOURS, plan_html
+from dasktensor.cluster import scheduler_workers
 from dasktensor.engine._plan import Plan
 
 SVG = "{http://www.w3.org/2000/svg}"

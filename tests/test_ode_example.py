@@ -56,13 +56,19 @@ def test_nuts_through_the_remote_model_and_umbridge_draws_what_pytensor_draws(de
             with lv.pymc_model(op) as models[name]:
                 draws[name] = pm.sample(**runs)
         ref = draws["pytensor"]
-        points = [{"theta_log__": np.log(t), "sigma_log__": np.log(s)} for t, s in zip(
-            ref.posterior["theta"].values[0], ref.posterior["sigma"].values[0], strict=True)]  # fmt: skip
+        points = [
+            {"theta_log__": np.log(t), "sigma_log__": np.log(s)}
+            for t, s in zip(
+                ref.posterior["theta"].values[0], ref.posterior["sigma"].values[0], strict=True
+            )
+        ]
         fns = {name: m.compile_fn([m.logp(), m.dlogp()]) for name, m in models.items()}
         values = {name: [fn(p) for p in points] for name, fn in fns.items()}
     model.close()
     for name in ("remote", "served"):
-        for (want, want_grad), (got, got_grad) in zip(values["pytensor"], values[name], strict=True):
+        for (want, want_grad), (got, got_grad) in zip(
+            values["pytensor"], values[name], strict=True
+        ):
             np.testing.assert_allclose(got, want, rtol=1e-10)
             np.testing.assert_allclose(got_grad, want_grad, rtol=1e-8, atol=1e-8)
         for group in ("warmup_posterior", "posterior"):

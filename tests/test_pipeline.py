@@ -268,8 +268,10 @@ def test_chunks_stream_through_the_stages(staged, inflight):
     order = np.argsort(gpu[:, 0])
     streamed = [int(b) for a, b in itertools.pairwise(order) if host[b, 0] < gpu[a, 1]]
     wall = max(gpu[:, 1]) - min(host[:, 0])
-    print(f"inflight={inflight}: chunks whose HOST stage began before the previous GPU "
-          f"stage ended: {streamed}; wall {wall:.2f} s for {n} x (0.15 + 0.15) s of stages")  # fmt: skip
+    print(
+        f"inflight={inflight}: chunks whose HOST stage began before the previous GPU "
+        f"stage ended: {streamed}; wall {wall:.2f} s for {n} x (0.15 + 0.15) s of stages"
+    )
     if inflight == 1:
         assert streamed == []
     else:

@@ -99,14 +99,20 @@ def test_umbridges_client_gets_what_the_model_computes(served):
     np.testing.assert_allclose(y, trajectory(theta))
     assert prod == [1.0]
     sens = np.linspace(-1.0, 1.0, 5)
-    np.testing.assert_allclose(model.gradient(0, 0, POINT, sens.tolist()), sens @ jacobian(theta, 0))
+    np.testing.assert_allclose(
+        model.gradient(0, 0, POINT, sens.tolist()), sens @ jacobian(theta, 0)
+    )
     vec = np.array([0.3, -1.0])
-    np.testing.assert_allclose(model.apply_jacobian(0, 0, POINT, vec.tolist()), jacobian(theta, 0) @ vec)
+    np.testing.assert_allclose(
+        model.apply_jacobian(0, 0, POINT, vec.tolist()), jacobian(theta, 0) @ vec
+    )
     np.testing.assert_allclose(model.apply_jacobian(1, 0, POINT, vec.tolist()), [0.5 * 0.3 - 2.0])
     # the Hessian against central differences of the gradient
     hv = model.apply_hessian(0, 0, 0, POINT, sens.tolist(), vec.tolist())
     eps = 1e-6
-    fd = [(sens @ jacobian(theta + eps * vec, 0) - sens @ jacobian(theta - eps * vec, 0)) / (2 * eps)]
+    fd = [
+        (sens @ jacobian(theta + eps * vec, 0) - sens @ jacobian(theta - eps * vec, 0)) / (2 * eps)
+    ]
     np.testing.assert_allclose(hv, fd[0], rtol=1e-6)
     np.testing.assert_allclose(hv, hessian(theta, 0, sens) @ vec)
     plain = umbridge.HTTPModel(served.url, "plain")
@@ -123,7 +129,9 @@ def test_dt_umbridge_op_differentiates_through_the_served_model(served):
     point = np.array([1.5, 0.3])
     value, grad = f(point)
     np.testing.assert_allclose(value, trajectory(point) @ np.arange(1.0, 6.0) + 0.45)
-    np.testing.assert_allclose(grad, np.arange(1.0, 6.0) @ jacobian(point, 0) + jacobian(point, 1)[0])
+    np.testing.assert_allclose(
+        grad, np.arange(1.0, 6.0) @ jacobian(point, 0) + jacobian(point, 1)[0]
+    )
     pytensor.gradient.verify_grad(lambda t: op(t)[0].sum(), [point], rng=np.random.default_rng(0))
 
 
@@ -153,7 +161,8 @@ def test_concurrent_requests_of_a_batched_method_run_in_batches(client):
         clients = [umbridge.HTTPModel(server.url, "batched") for _ in range(4)]
         points = [[[1.0 + k, 0.1 * k]] for k in range(4)]
         with ThreadPoolExecutor(4) as pool:
-            for rounds in range(1, 4):  # whether requests queue is up to the machine
+            # whether requests queue is up to the machine; rounds is counted after the loop
+            for rounds in range(1, 4):  # noqa: B007  used after the loop
                 outs = list(pool.map(lambda mp: mp[0](mp[1], {"delay": 0.2}),
                                      zip(clients, points, strict=True)))  # fmt: skip
                 for out, p in zip(outs, points, strict=True):  # each its own row
@@ -194,15 +203,15 @@ def test_a_worker_killed_mid_request_loses_nothing(tmp_path):
 @pytest.mark.parametrize(
     ("route", "body", "status", "kind", "message"),
     [
-        ("/Evaluate", {"name": "nope", "input": POINT}, 400, "ModelNotFound", "available: ['decay', 'plain']"),
-        ("/Evaluate", {"name": "decay", "input": [[1.0]]}, 400, "InvalidInput", "Expected 2 but got 1"),
-        ("/Evaluate", {"name": "decay", "input": [[1.0, "a"]]}, 400, "InvalidInput", "array of numbers"),
-        ("/Evaluate", {"name": "decay"}, 400, "InvalidInput", "Expected 1 arrays of numbers, got null"),
+        ("/Evaluate", {"name": "nope", "input": POINT}, 400, "ModelNotFound", "available: ['decay', 'plain']"),  # noqa: E501  a table row
+        ("/Evaluate", {"name": "decay", "input": [[1.0]]}, 400, "InvalidInput", "Expected 2 but got 1"),  # noqa: E501  a table row
+        ("/Evaluate", {"name": "decay", "input": [[1.0, "a"]]}, 400, "InvalidInput", "array of numbers"),  # noqa: E501  a table row
+        ("/Evaluate", {"name": "decay"}, 400, "InvalidInput", "Expected 1 arrays of numbers, got null"),  # noqa: E501  a table row
         ("/Evaluate", b"{not json", 400, "InvalidInput", "not JSON"),
         ("/Evaluate", {"name": "decay", "input": POINT, "config": {"fail": "no convergence"}},
          500, "ModelError", "__call__ raised ValueError: no convergence"),
         ("/Evaluate", {"name": "decay", "input": POINT, "config": {"short": True}},
-         500, "InvalidOutput", "Output vector 0 has invalid length! Model declared 5 but returned 4"),
+         500, "InvalidOutput", "Output vector 0 has invalid length! Model declared 5 but returned 4"),  # noqa: E501  a table row
         ("/Gradient", {"name": "plain", "input": POINT, "outWrt": 0, "inWrt": 0, "sens": [1] * 5},
          400, "UnsupportedFeature", "Gradient not supported by model 'plain'"),
         ("/Gradient", {"name": "decay", "input": POINT, "outWrt": 2, "inWrt": 0, "sens": [1] * 5},
@@ -304,7 +313,11 @@ def test_the_command_line_serves_until_stopped(tmp_path):
     ids=["no-colon", "no-file", "no-factory"],
 )  # fmt: skip
 def test_the_command_line_refuses_a_factory_it_cannot_find(spec, message):
-    done = subprocess.run([sys.executable, "-m", "dasktensor", "serve-umbridge", spec, "--name", "m"],
-                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "dasktensor", "serve-umbridge", spec, "--name", "m"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2 and message in done.stderr, done.stderr
-

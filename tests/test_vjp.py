@@ -99,12 +99,17 @@ def test_rop_without_a_jvp_says_what_to_give():
 def test_a_bad_vjp_is_told_clearly():
     with pytest.raises(TypeError, match=r"vjp=\.\.\.\) expected a callable, got 3"):
         dt.ArraysToArraysOp(f, [pt.dvector], [pt.dvector], vjp=3)
-    with pytest.raises(TypeError, match="must be floating point to have a derivative, got input .*int64"):
+    with pytest.raises(
+        TypeError, match="must be floating point to have a derivative, got input .*int64"
+    ):
         dt.ArraysToArraysOp(f, [pt.lvector], [pt.dvector], vjp=f_vjp)
     op = dt.ArraysToArraysOp(np.sin, [pt.dvector], [pt.dvector], vjp=lambda x, g: g[:1])
     x = pt.dvector("x")
     g = dt.function([x], pytensor.grad(op(x).sum(), x))
-    with pytest.raises(ValueError, match=r"arrays-remote-vjp.*shape \(1,\) for input 0, expected the input.s shape \(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"arrays-remote-vjp.*shape \(1,\) for input 0, expected the input.s shape \(3,\)",
+    ):
         g(np.ones(3))
     assert g.maker.fgraph  # the function is intact: a right-sized call works
     ok = dt.ArraysToArraysOp(np.sin, [pt.dvector], [pt.dvector], vjp=lambda x, g: np.cos(x) * g)

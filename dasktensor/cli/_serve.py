@@ -32,7 +32,8 @@ def load_factory(spec: str):
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
-            f"expected MODULE:FACTORY (e.g. 'mymodels:Forward' or 'models.py:Forward'), got {spec!r}"
+            "expected MODULE:FACTORY (e.g. 'mymodels:Forward' or 'models.py:Forward'), "
+            f"got {spec!r}"
         )
     if module_name.endswith(".py") or os.sep in module_name:
         path = pathlib.Path(module_name).resolve()
@@ -138,13 +139,15 @@ def add_parser(sub) -> None:
     serve.add_argument("--name", required=True, help="the model's name for UM-Bridge clients")
     serve.add_argument("--port", type=int, default=4242, help="port to listen on (4242; 0: any)")
     serve.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (127.0.0.1; 0.0.0.0: every interface)")  # fmt: skip
+                       help="address to listen on "
+                       "(127.0.0.1; 0.0.0.0: every interface)")  # fmt: skip
     serve.add_argument("--scheduler", metavar="ADDR", help="address of a running scheduler")
     serve.add_argument("--workers", type=int, default=2, help="embedded worker processes (2)")
     serve.add_argument("--dashboard-address", default="127.0.0.1:0",
                        help="embedded dashboard (127.0.0.1:0)")  # fmt: skip
     serve.add_argument("--replicas", type=int, default=None,
-                       help="workers holding the model (default: every one offering --resources)")  # fmt: skip
+                       help="workers holding the model "
+                       "(default: every one offering --resources)")  # fmt: skip
     serve.add_argument("--resources", nargs="*", default=[], metavar="NAME=AMOUNT",
                        help="worker resources a replica needs, e.g. GPU=1")  # fmt: skip
     serve.add_argument("--concurrency", type=int, default=1,

@@ -161,17 +161,21 @@ def add_parser(sub) -> None:
                         help="'all', a number of GPUs (the first N), or device ids such as "
                         "0,1 (indices as nvidia-smi lists them, or UUIDs)")  # fmt: skip
     worker.add_argument("--nthreads", type=_threads_argument, default=None,
-                        help="threads per GPU worker (dasktensor.gpu.threads-per-worker: 1)")  # fmt: skip
+                        help="threads per GPU worker "
+                        "(dasktensor.gpu.threads-per-worker: 1)")  # fmt: skip
     worker.add_argument("--memory-limit", default=None, metavar="BYTES",
                         help="host memory limit per GPU worker, e.g. 32GiB "
                         "(dasktensor.gpu.memory-limit: 0, none)")  # fmt: skip
     worker.add_argument("--resources", type=_resources_argument, default=None,
                         metavar="'NAME=AMOUNT ...'",
-                        help="further resources each GPU worker offers (GPU=1 is given)")  # fmt: skip
+                        help="further resources each GPU worker offers "
+                        "(GPU=1 is given)")  # fmt: skip
     worker.add_argument("--host", default=None,
-                        help="the address the workers listen on (Dask's default: this host's)")  # fmt: skip
+                        help="the address the workers listen on "
+                        "(Dask's default: this host's)")  # fmt: skip
     worker.add_argument("--name-prefix", default=None,
-                        help="worker names are PREFIX-gpu-ID (default: this host's name)")  # fmt: skip
+                        help="worker names are PREFIX-gpu-ID "
+                        "(default: this host's name)")  # fmt: skip
     worker.add_argument(
         "--tls-ca-file", metavar="PEM", help="tls://: the cluster's CA certificate"
     )

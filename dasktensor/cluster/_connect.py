@@ -65,7 +65,7 @@ def _handshake(address: str, security, timeout_s: float) -> None:
             comm = await asyncio.wait_for(
                 comm_connect(address, timeout=timeout_s, **args), timeout_s + 1
             )
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise _NoHandshake(f"no Dask handshake from {address}") from e
         await comm.close()
 

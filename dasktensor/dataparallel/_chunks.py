@@ -314,7 +314,10 @@ def compute_arrays(arrays: list, client, progressbar: bool) -> list[np.ndarray]:
         for out, value in zip(outs, computed):
             out[...] = value
         return outs
-    store = lambda: da.store(arrays, outs, lock=False)
+
+    def store():
+        return da.store(arrays, outs, lock=False)
+
     if progressbar:
         from dask.diagnostics import ProgressBar
 

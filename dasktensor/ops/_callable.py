@@ -1,10 +1,10 @@
 """Ops wrapping Python callables: model calls that the planner runs as tasks of their own.
 
-``ArraysToArraysOp`` (arrays in, arrays out; a gradient through a ``vjp`` when given), ``LogpOp`` (arrays in, a
-scalar log-density out, no gradient) and ``LogpGradOp`` (a function returning the
-log-density and its gradients).  ``LogpGradOp`` outputs ``[logp, *grads]`` and its
-gradient reuses the node's own outputs, so one evaluation of logp and dlogp is ONE call of
-the function (a two-Op design makes two).
+``ArraysToArraysOp`` (arrays in, arrays out; a gradient through a ``vjp`` when given),
+``LogpOp`` (arrays in, a scalar log-density out, no gradient) and ``LogpGradOp`` (a
+function returning the log-density and its gradients).  ``LogpGradOp`` outputs
+``[logp, *grads]`` and its gradient reuses the node's own outputs, so one evaluation of logp
+and dlogp is ONE call of the function (a two-Op design makes two).
 
 Each Op is heavy (a task of its own, named ``name`` on the dashboard) and carries Dask
 annotations (``resources``, ``retries``, ``priority``) and an optional ``timeout``.

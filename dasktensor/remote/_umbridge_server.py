@@ -303,9 +303,13 @@ class UMBridgeServer:
             raise _Reply(500, "InvalidOutput", f"model {served.name!r}: Model output is not a "
                          f"list of lists! Got {_short(output)}")  # fmt: skip
         if len(output) != len(sizes):
-            raise _Reply(500, "InvalidOutput", f"model {served.name!r}: Number of output "
-                         "vectors returned by model does not match number of model outputs "
-                         f"declared by model! Declared {len(sizes)}, returned {len(output)}.")  # fmt: skip
+            raise _Reply(
+                500,
+                "InvalidOutput",
+                f"model {served.name!r}: Number of output vectors returned by model does not "
+                "match number of model outputs declared by model! "
+                f"Declared {len(sizes)}, returned {len(output)}.",
+            )
         for i, (v, n) in enumerate(zip(output, sizes, strict=True)):
             UMBridgeServer._check(served, v, n, f"Output vector {i}")
         return output
