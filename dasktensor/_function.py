@@ -126,7 +126,7 @@ class DaskFunction:
         return {"fn": self._fn}
 
     def __setstate__(self, state):
-        self.__init__(state["fn"])
+        type(self).__init__(self, state["fn"])
 
     def __getattr__(self, name):
         if name.startswith("__") or name in ("_fn", "_idle"):

@@ -24,6 +24,7 @@ import dataclasses
 import numbers
 
 from pytensor.compile.mode import Mode, register_mode
+from pytensor.graph.fg import FunctionGraph
 from pytensor.link.basic import Container
 
 from dasktensor import _compat
@@ -34,7 +35,8 @@ from dasktensor.sharding import ShardedExecutor, ShardedThunk, analyse, check_sh
 _BACKEND_LINKER = _compat.backend_mode().linker
 
 
-class DaskLinker(type(_BACKEND_LINKER)):
+# the class is the line's backend linker's, known only when PyTensor is imported
+class DaskLinker(type(_BACKEND_LINKER)):  # type: ignore[misc]
     """Linker that plans a graph into coarse tasks and runs them on Dask.
 
     Parameters
@@ -90,7 +92,7 @@ class DaskLinker(type(_BACKEND_LINKER)):
             )
         self.heavy_flops = heavy_flops
         self.shards = check_shards(shards, "DaskLinker(shards=...)")
-        self.fgraph = None
+        self.fgraph: FunctionGraph | None = None
         self.plan: Plan | None = None
         self.executor: PlanExecutor | None = None
         self.sharded: ShardedExecutor | None = None
@@ -115,15 +117,20 @@ class DaskLinker(type(_BACKEND_LINKER)):
     def accept_var_updates(self, updated_vars):
         self._updated_vars = updated_vars
 
+    def _accepted(self) -> FunctionGraph:
+        if self.fgraph is None:
+            raise RuntimeError("DaskLinker: no graph accepted (call accept(fgraph) first)")
+        return self.fgraph
+
     def make_thunk(self, input_storage=None, output_storage=None, storage_map=None, **kwargs):
-        fgraph = self.fgraph
-        self.plan = plan_graph(fgraph, heavy_flops=self.heavy_flops)
+        fgraph = self._accepted()
+        plan = plan_graph(fgraph, heavy_flops=self.heavy_flops)
         found = analyse(fgraph, self.shards)
-        self.plan = dataclasses.replace(self.plan, sharding=describe(found, self.shards))
-        if self.plan.single_stage:
+        self.plan = plan = dataclasses.replace(plan, sharding=describe(found, self.shards))
+        if plan.single_stage:
             made = self._backend_thunk(input_storage, output_storage, storage_map, **kwargs)
         else:
-            made = self._plan_thunk(input_storage, output_storage)
+            made = self._plan_thunk(plan, input_storage, output_storage)
         self.sharded = None
         if not found:
             return made
@@ -134,11 +141,12 @@ class DaskLinker(type(_BACKEND_LINKER)):
         return ShardedThunk(thunk, self.sharded, inputs, outputs), inputs, outputs
 
     def _sharding_changed(self, text: str) -> None:
-        self.plan = dataclasses.replace(self.plan, sharding=text)
+        if self.plan is not None:  # (set by make_thunk, before sharding can change)
+            self.plan = dataclasses.replace(self.plan, sharding=text)
 
-    def _plan_thunk(self, input_storage, output_storage):
-        fgraph = self.fgraph
-        self.executor = executor = PlanExecutor(self.plan, self.scheduler)
+    def _plan_thunk(self, plan: Plan, input_storage, output_storage):
+        fgraph = self._accepted()
+        self.executor = executor = PlanExecutor(plan, self.scheduler)
         if input_storage is None:
             input_storage = [[None] for _ in fgraph.inputs]
         if output_storage is None:
@@ -146,20 +154,15 @@ class DaskLinker(type(_BACKEND_LINKER)):
         for var, storage in zip(fgraph.inputs, input_storage):
             if storage[0] is None and hasattr(var, "data"):  # constants
                 storage[0] = var.data
-
-        def thunk(inputs=tuple(input_storage), outputs=tuple(output_storage)):
-            values = executor(*[s[0] for s in inputs])
-            for s, v in zip(outputs, values):
-                s[0] = v
-            return values
-
-        thunk.allow_gc = True
-        thunk.need_update_inputs = True
-        thunk.storage_map = {
-            **dict(zip(fgraph.inputs, input_storage)),
-            **dict(zip(fgraph.outputs, output_storage)),
-        }
-        thunk.executor = executor
+        thunk = _PlanThunk(
+            executor,
+            tuple(input_storage),
+            tuple(output_storage),
+            storage_map={
+                **dict(zip(fgraph.inputs, input_storage)),
+                **dict(zip(fgraph.outputs, output_storage)),
+            },
+        )
         return (
             thunk,
             [Container(v, s) for v, s in zip(fgraph.inputs, input_storage)],
@@ -168,7 +171,9 @@ class DaskLinker(type(_BACKEND_LINKER)):
 
     def _backend_thunk(self, input_storage, output_storage, storage_map, **kwargs):
         backend = copy.copy(_compat.backend_mode().linker)
-        backend = backend.accept(self.fgraph, no_recycling=self.no_recycling, profile=self.profile)
+        backend = backend.accept(
+            self._accepted(), no_recycling=self.no_recycling, profile=self.profile
+        )
         if self._updated_vars is not None and hasattr(backend, "accept_var_updates"):
             backend.accept_var_updates(self._updated_vars)
         return backend.make_thunk(
@@ -180,6 +185,25 @@ class DaskLinker(type(_BACKEND_LINKER)):
 
     def __repr__(self) -> str:
         return "DaskLinker()"
+
+
+class _PlanThunk:
+    """The thunk of a multi-stage plan, which PyTensor's ``Function`` calls with no
+    arguments after filling the input storage."""
+
+    allow_gc = True
+    need_update_inputs = True
+
+    def __init__(self, executor: PlanExecutor, inputs: tuple, outputs: tuple, storage_map):
+        self.executor = executor
+        self.inputs, self.outputs = inputs, outputs
+        self.storage_map = storage_map
+
+    def __call__(self):
+        values = self.executor(*[s[0] for s in self.inputs])
+        for s, v in zip(self.outputs, values):
+            s[0] = v
+        return values
 
 
 def dask_mode(scheduler=None, heavy_flops: float | None = None, shards=None) -> Mode:

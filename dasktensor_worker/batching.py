@@ -130,7 +130,8 @@ class _Call:
         self.arrived = arrived
         self.group = group
         self.done = False
-        self.result = self.error = None
+        self.result: object = None
+        self.error: BaseException | None = None
 
     def outcome(self):
         if self.error is not None:
@@ -282,7 +283,8 @@ class Batcher:
         batch = [] if batch is None else batch
         room = self.max_size - len(batch)
         signature = (batch[0] if batch else self.queue[0]).signature
-        taken, kept = [], deque()
+        taken: list[_Call] = []
+        kept: deque[_Call] = deque()
         while self.queue:
             c = self.queue.popleft()
             if len(taken) < room and c.signature == signature:

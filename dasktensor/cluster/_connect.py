@@ -391,10 +391,10 @@ def _check_embedded(n_workers, threads_per_worker, resources, cluster_kwargs) ->
         )
     if "worker_class" in cluster_kwargs:
         return  # its own options: not known here
-    known = set()
+    known: set[str] = set()
     for cls in (LocalCluster, *inspect.getmro(Nanny), *inspect.getmro(Worker)):
         if "__init__" in vars(cls):
-            params = inspect.signature(cls.__init__).parameters.values()
+            params = inspect.signature(vars(cls)["__init__"]).parameters.values()
             named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
             known.update(p.name for p in params if p.kind in named)
     unknown = sorted(set(cluster_kwargs) - known)

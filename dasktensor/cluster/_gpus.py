@@ -75,7 +75,7 @@ class Device:
         wanted = str(wanted).strip()
         if wanted == self.id or (self.index is not None and wanted == str(self.index)):
             return True
-        return bool(self.uuid) and len(wanted) > 4 and self.uuid.startswith(wanted)
+        return bool(self.uuid and len(wanted) > 4 and self.uuid.startswith(wanted))
 
     def describe(self) -> str:
         """``"0: NVIDIA H200, 1.2 GiB of 140 GiB used"``: what ``dasktensor info`` shows."""
@@ -240,6 +240,7 @@ def choose_devices(
         f"{owner} expected gpus= 'all', a number of GPUs >= 1, or a list of device ids "
         "such as [0, 1]"
     )
+    wanted: int | list[str] | None  # a count, device ids, or every device
     if isinstance(gpus, str) and gpus.strip().lower() == "all":
         wanted = None
     elif isinstance(gpus, int) and not isinstance(gpus, bool):

@@ -105,7 +105,7 @@ def compute_log_likelihood(
         extend_inferencedata=False,
         model=model,
         progressbar=False,
-        compile_kwargs={"mode": Mode(linker="py", optimizer=None)},
+        compile_kwargs={"mode": Mode(linker="py", optimizer="None")},
     )
     names = list(template.data_vars)
     umodel = remove_value_transforms(model)
@@ -123,7 +123,7 @@ def compute_log_likelihood(
     chunked = sample_chunks("compute_log_likelihood", n_chains, n_draws, chunks,
                             bytes_per_draw(template, names))  # fmt: skip
     arrays = map_blocks(
-        vec, values, chunked, None, "loglik", fixed=vec.fixed_values(), client=client
+        vec, values, chunked, None, "loglik", fixed=vec.fixed_values_of_new(), client=client
     )
     dataset = lazy_dataset(template, dict(zip(names, arrays)), posterior, chunked)
     if compute:

@@ -286,11 +286,11 @@ def _names(stages: list[Stage], consumers: list[set[int]]) -> list[str]:
     """Task-key names: a placed stage after its blocks, an unplaced one after its place
     in the pipeline (``pre`` before any block, ``post`` after them, ``mid`` between;
     never ``out``, the name of a pmap's output keys)."""
-    above = [set() for _ in stages]  # stages before each, transitively
+    above: list[set[int]] = [set() for _ in stages]  # stages before each, transitively
     for st in stages:
         for d in st.deps:
             above[st.index] |= above[d] | {d}
-    below = [set() for _ in stages]
+    below: list[set[int]] = [set() for _ in stages]
     for st in reversed(stages):
         for c in consumers[st.index]:
             below[st.index] |= below[c] | {c}

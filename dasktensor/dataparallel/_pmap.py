@@ -68,7 +68,7 @@ class PMapped:
         axes = [axes] * n if axes is None or isinstance(axes, int) else list(axes)
         if len(axes) != n:
             raise ValueError(f"pmap: in_axes has {len(axes)} entries for {n} inputs")
-        out = []
+        out: list[int | None] = []
         for i, (a, x) in enumerate(zip(axes, args)):
             if a is None:
                 out.append(None)
@@ -121,23 +121,23 @@ class PMapped:
     def __call__(self, *args, compute: bool = False, random_seed=None, progressbar: bool = True):
         import dask.array as da
 
-        args = [x if isinstance(x, da.Array) else np.asarray(x) for x in args]
-        for i, x in enumerate(args):
+        arrays = [x if isinstance(x, da.Array) else np.asarray(x) for x in args]
+        for i, x in enumerate(arrays):
             if x.dtype.kind not in "biufc":
                 raise TypeError(
                     f"pmap: input {i} expected a numeric array (bool, int, float or "
                     f"complex), got dtype {x.dtype}"
                 )
-        axes = self._axes(args)
+        axes = self._axes(arrays)
         if all(a is None for a in axes):
             raise ValueError("pmap needs at least one batched input (in_axes not None)")
         # the batch axis first: the vectorised graph batches leading axes
-        args = [
+        arrays = [
             x if a in (None, 0) else (da if isinstance(x, da.Array) else np).moveaxis(x, a, 0)
-            for x, a in zip(args, axes)
+            for x, a in zip(arrays, axes)
         ]
         batched = [a is not None for a in axes]
-        sizes = {x.shape[0] for x, b in zip(args, batched) if b}
+        sizes = {x.shape[0] for x, b in zip(arrays, batched) if b}
         if len(sizes) != 1:
             raise ValueError(
                 "pmap: batched inputs must have the same length along their batch axes, "
@@ -150,26 +150,27 @@ class PMapped:
                 "sizes are unknown); expected known chunks: call x.compute_chunk_sizes() first"
             )
         signature = tuple(
-            (str(x.dtype), tuple(x.shape[1:] if b else x.shape), b) for x, b in zip(args, batched)
+            (str(x.dtype), tuple(x.shape[1:] if b else x.shape), b)
+            for x, b in zip(arrays, batched)
         )
         vec, single = self._cache.get(signature, (None, None))
         fixed = vec.fixed_values() if vec is not None else None
         if fixed is None:  # first call with this signature, or shared data changed sizes
-            inputs, outputs, single = self._graph(args, batched)
+            inputs, outputs, single = self._graph(arrays, batched)
             vec = Vectorized(inputs, outputs, batched, 1, name=self.name or "pmap")
             self._cache[signature] = (vec, single)
-            fixed = vec.fixed_values()
+            fixed = vec.fixed_values_of_new()
         self._last = vec
         chunks = self.chunks
         if chunks == "auto":
             dask_chunks = [
-                x.chunks[0] for x, b in zip(args, batched) if b and isinstance(x, da.Array)
+                x.chunks[0] for x, b in zip(arrays, batched) if b and isinstance(x, da.Array)
             ]
             if dask_chunks:
                 batch = (dask_chunks[0],)
             else:
                 per = sum(
-                    x.dtype.itemsize * math.prod(x.shape[1:]) for x, b in zip(args, batched) if b
+                    x.dtype.itemsize * math.prod(x.shape[1:]) for x, b in zip(arrays, batched) if b
                 )
                 per += sum(
                     np.dtype(t.dtype).itemsize * math.prod(d or 1 for d in t.shape[1:])
@@ -179,7 +180,7 @@ class PMapped:
         else:
             batch = (_split(n, chunks),)
         seed = random_seed if random_seed is not None else self.random_seed
-        outs = map_blocks(vec, args, batch, seed, name=self.name, fixed=fixed)
+        outs = map_blocks(vec, arrays, batch, seed, name=self.name, fixed=fixed)
         if compute:
             outs = compute_arrays(outs, None, progressbar)
         return outs[0] if single else tuple(outs)

@@ -69,7 +69,7 @@ def _forward_function(model, small, var_names, predictions):
                 random_seed=0,
                 # one draw, for the structure of the result: Python thunks, no rewrites and
                 # no backend compilation (the chunks compile the graph once per process)
-                compile_kwargs={"mode": Mode(linker="py", optimizer=None)},
+                compile_kwargs={"mode": Mode(linker="py", optimizer="None")},
             )
         finally:
             forward.compile_forward_sampling_function = original

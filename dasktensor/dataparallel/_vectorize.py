@@ -205,6 +205,16 @@ class Vectorized:
                 return None
         return values
 
+    def fixed_values_of_new(self) -> list:
+        """:meth:`fixed_values` of a graph built just now, from the data as it is."""
+        values = self.fixed_values()
+        if values is None:
+            raise RuntimeError(
+                f"{self.name}: the data in a shared variable changed sizes while the graph "
+                "was built from it"
+            )
+        return values
+
     def output_core_shapes(self, core_shapes_in: list[tuple]) -> list[tuple]:
         """Shapes of one element's outputs (after the batch axes), given the inputs'
         shapes without their batch axes: from static types, or by evaluating the graph's

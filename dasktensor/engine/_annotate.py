@@ -157,13 +157,15 @@ def _recording_variable_init(self, *args, **kwargs):
         stack[-1]._variables.append(self)
 
 
+# The hook replaces the constructors of PyTensor's graph objects while annotate() records
+# (hence the method assignments mypy is told to accept below).
 def _install_hook() -> None:
     global _hook_users
     with _hook_lock:
         _hook_users += 1
         if _hook_users == 1:
-            Apply.__init__ = _recording_apply_init
-            Variable.__init__ = _recording_variable_init
+            Apply.__init__ = _recording_apply_init  # type: ignore[method-assign]
+            Variable.__init__ = _recording_variable_init  # type: ignore[method-assign]
 
 
 def _remove_hook() -> None:
@@ -171,8 +173,8 @@ def _remove_hook() -> None:
     with _hook_lock:
         _hook_users -= 1
         if _hook_users == 0:
-            Apply.__init__ = _original_apply_init
-            Variable.__init__ = _original_variable_init
+            Apply.__init__ = _original_apply_init  # type: ignore[method-assign]
+            Variable.__init__ = _original_variable_init  # type: ignore[method-assign]
 
 
 class annotate:

@@ -57,9 +57,9 @@ pass.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pytensor.graph.basic import Apply, Constant, Variable
 from pytensor.graph.fg import FunctionGraph
@@ -67,6 +67,9 @@ from pytensor.graph.fg import FunctionGraph
 from dasktensor import _config, _display
 from dasktensor._placement import Placement
 from dasktensor.engine._weights import _HEAVY_TYPES as _HEAVY_TYPES
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsGetItem
 from dasktensor.engine._weights import Weight, dominant_label, is_remote, node_weight
 from dasktensor.engine._weights import is_heavy as is_heavy
 from dasktensor.engine._weights import mark_heavy as mark_heavy
@@ -231,7 +234,7 @@ def plan_graph(
 
 def anchors_around(
     order: Sequence[T],
-    preds: Mapping[T, Iterable[T]] | Sequence[Iterable[T]],
+    preds: SupportsGetItem[T, Iterable[T]],
     is_anchor: Callable[[T], bool],
 ) -> tuple[dict[T, frozenset[T]], dict[T, frozenset[T]]]:
     """The anchors among the ancestors and among the descendants of every item of a DAG.

@@ -96,7 +96,12 @@ class _CallableOp(Op):
     """Common machinery: input checks, annotations, output checks."""
 
     dasktensor_heavy = True
-    __props__ = ("fn", "itypes", "otypes", "dasktensor_name", "dasktensor_placement", "timeout")
+    __props__: tuple[str, ...] = (
+        "fn", "itypes", "otypes", "dasktensor_name", "dasktensor_placement", "timeout",
+    )  # fmt: skip
+    # always given (Op declares them optional): tensor types, checked by _as_types
+    itypes: tuple[TensorType, ...]
+    otypes: tuple[TensorType, ...]
 
     def __init__(
         self,

@@ -36,7 +36,7 @@ from pytensor.graph.rewriting.basic import GraphRewriter
 
 from dasktensor import _compat
 from dasktensor._runtime import ProcessState, runtime
-from dasktensor.ops._callable import _CallableOp
+from dasktensor.ops._callable import RemoteCallTarget, _CallableOp
 
 
 class _CallPool(ProcessState):
@@ -81,7 +81,8 @@ class ParallelCallsOp(Op):
 
     def perform(self, node, inputs, output_storage):
         pool = _get_pool()
-        jobs, batches, i, o = [], {}, 0, 0
+        jobs, i, o = [], 0, 0
+        batches: dict[type[RemoteCallTarget], list] = {}  # by the batch target's class
         for op in self.ops:
             n_in, n_out = len(op.itypes), len(op.otypes)
             # the member's view of the node: its own inputs and outputs
@@ -95,7 +96,7 @@ class ParallelCallsOp(Op):
             else:
                 jobs.append(pool.submit(op.perform, *member[1:]))
             i, o = i + n_in, o + n_out
-        errors = []
+        errors: list[BaseException | None] = []
         for kind, members in batches.items():
             try:
                 raw = kind.call_together([(target, m[2]) for target, m in members])

@@ -113,6 +113,7 @@ def post(url: str, route: str, body: dict | None, timeout: float | None, model=N
             if fresh or attempt:
                 raise ConnectionError(f"UM-Bridge server {url} did not answer {route}: {e}") from e
             fresh = True
+    assert conn is not None  # (the loop ends with a reply, or raises)
     if reply.getheader("Connection", "").lower() == "close":
         conn.close()
     else:
@@ -343,7 +344,7 @@ def umbridge_op(
     if (url is None) == (urls is None):
         raise TypeError("umbridge_op expected a url or urls=[...] (one of them), got "
                         f"url={url!r}, urls={urls!r}")  # fmt: skip
-    urls = [url] if urls is None else list(urls)
+    urls = [url] if url is not None else list(urls or ())  # (one of the two is None)
     if not urls or not all(isinstance(u, str) for u in urls):
         raise TypeError(f"umbridge_op(urls=...) expected a list of urls, got {urls!r}")
     for u in urls:

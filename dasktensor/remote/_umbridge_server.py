@@ -248,6 +248,7 @@ class UMBridgeServer:
             output = self._call(served, method, parameters, config)
             return {"output": self._outputs(served, output, outputs)}
         out_wrt = _index(body, "outWrt", len(outputs), "outputs")
+        args: tuple  # the model method's arguments
         if route == "Gradient":
             in_wrt = _index(body, "inWrt", len(inputs), "inputs")
             sens = _vector(body.get("sens"), "Sensitivity vector sens", outputs[out_wrt])

@@ -64,6 +64,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 from pytensor.compile.sharedvalue import SharedVariable
@@ -106,7 +107,7 @@ class NotSharded:
 
     reason: str
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> Literal[False]:  # (so that `if not found` narrows the type)
         return False
 
 
