@@ -21,6 +21,8 @@ can differ in the last bits (Numba's fast-math; see ``tests/_sample_models.py``)
 is then checked to round-off.
 
 Goals (2-core machine, 4 chains on 2 workers): pm / dt >= 1.0 warm and >= 0.9 cold.
+The CPU seconds each variant used (its processes, the cluster's workers) are printed too:
+on a machine other jobs load, they show what a run costs where wall times wander.
 
 ``--fault`` adds the older P10 measurement: a worker SIGKILLed halfway through a run (the
 faulty run's draws identical to the run without fault, its extra time about a segment
@@ -127,6 +129,7 @@ def child(variant: str, out: str, chains: int, workers: int, rows: int, draws: i
             client = stack.enter_context(local_cluster(n_workers=workers))
             record["connect"] = time.perf_counter() - t0
         for case in COLD_AND_WARM:
+            cpu = _cpu_seconds(client)
             t0 = time.perf_counter()
             with m:
                 if variant == "pm":
@@ -134,17 +137,40 @@ def child(variant: str, out: str, chains: int, workers: int, rows: int, draws: i
                 else:
                     result = dt.sample(**run, client=client)
             record[case] = time.perf_counter() - t0
+            record[f"{case}-cpu"] = _cpu_seconds(client) - cpu
             if variant == "dt":
                 b = last_breakdown()
                 record[f"{case}-breakdown"] = {
                     "phases": b.phases, "compile": max(b.compile.values(), default=0.0),
-                    "reused": b.reused, "gathering": b.gathering, "segments": b.segments,
+                    "gathering": b.gathering, "segments": b.segments,
                     "utilisation": b.utilisation, "table": b.table(),
                 }  # fmt: skip
         posterior = _posterior(result)
         np.savez(out + ".npz", **{v: posterior[v].values for v in ("b0", "b")})
     with open(out, "w") as f:
         json.dump(record, f)
+
+
+def _cpu_seconds(client=None) -> float:
+    """CPU seconds used so far by this process and its waited-for children (PyMC's
+    chain processes), and by the cluster's workers: what a run costs whatever else
+    loads the machine (the LocalCluster's scheduler runs in this process)."""
+    import resource
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    if client is not None:
+        total += sum(client.run(_process_cpu).values())
+    return total
+
+
+def _process_cpu() -> float:
+    import psutil
+
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
 
 
 def _spawn(variant: str, args, scratch: str) -> dict:
@@ -192,8 +218,9 @@ def compare(args) -> list[Row]:
                 record = _spawn(variant, args, scratch)
                 records[variant].append(record)
                 extra = f" (connect {record['connect']:.1f} s)" if variant == "dt" else ""
-                print(f"[{NAME}] round {r}: {variant} cold {record['cold']:.1f} s, warm "
-                      f"{record['warm']:.1f} s{extra}", flush=True)  # fmt: skip
+                print(f"[{NAME}] round {r}: {variant} cold {record['cold']:.1f} s "
+                      f"({record['cold-cpu']:.0f} s CPU), warm {record['warm']:.1f} s "
+                      f"({record['warm-cpu']:.0f} s CPU){extra}", flush=True)  # fmt: skip
             for case in COLD_AND_WARM:
                 print(records["dt"][-1][f"{case}-breakdown"]["table"].replace(
                     "dt.sample:", f"[{NAME}] round {r} dt.sample {case}:"), flush=True)  # fmt: skip
@@ -225,6 +252,13 @@ def compare(args) -> list[Row]:
             rows.append(Row(NAME, f"dt {case}: step method usable on the workers (s), median",
                             round(statistics.median(x[f"{case}-breakdown"]["compile"]
                                                     for x in records["dt"]), 2)))  # fmt: skip
+        for case in COLD_AND_WARM:
+            rows += [
+                Row(NAME, f"CPU seconds {case}, pm (its processes), median",
+                    round(statistics.median(x[f"{case}-cpu"] for x in records["pm"]), 1)),
+                Row(NAME, f"CPU seconds {case}, dt (caller, scheduler, workers), median",
+                    round(statistics.median(x[f"{case}-cpu"] for x in records["dt"]), 1)),
+            ]  # fmt: skip
         rows += [
             Row(NAME, "connect: LocalCluster started (s), median, not in the ratio",
                 round(connect, 2)),

@@ -36,8 +36,9 @@ class Breakdown:
         Phase name (see ``PHASES``) -> seconds on the caller's clock; they add up to
         ``total``.
     compile : dict
-        Worker address -> seconds it spent making the run's step method usable (0 when
-        it reused one it held from an earlier run).
+        Worker address -> seconds it spent unpickling the run's step method (compiling
+        its functions, or reading them from the compile caches), waits for the compile
+        lock included.
     busy : float
         Seconds the workers spent in segments (sampling and compiling), all together.
     gathering : float
@@ -45,8 +46,6 @@ class Breakdown:
         (overlapping the sampling phases).
     segments, workers : int
         Segments run, and workers that ran them.
-    reused : int
-        Workers that reused a step method compiled by an earlier run.
 
     Examples
     --------
@@ -64,7 +63,6 @@ class Breakdown:
     gathering: float = 0.0
     segments: int = 0
     workers: int = 0
-    reused: int = 0
     sampling_wall: float = 0.0
     slots: int = 0
     _mark: float | None = None
@@ -99,8 +97,8 @@ class Breakdown:
         if self.compile:
             slowest = max(self.compile.values())
             lines.append(
-                f"  beside: step method made usable on {len(self.compile)} worker(s), "
-                f"{slowest:.2f} s at most ({self.reused} reused an earlier run's)"
+                f"  beside: step method unpickled (compiled) on {len(self.compile)} "
+                f"worker(s), {slowest:.2f} s at most"
             )
         use = self.utilisation
         busy = f", workers busy {use:.0%} of the sampling time" if use is not None else ""

@@ -265,7 +265,6 @@ class ChainRunner:
                 workers.add(where)
                 if where not in timing.compile:  # its first segment of the run
                     timing.compile[where] = result.get("compile", 0.0)
-                    timing.reused += bool(result.get("reused"))
                 if not tuned and all(r.done >= tune for r in runs):
                     tuned = True
                     timing.lap("tuning")
