@@ -214,8 +214,7 @@ class ChainRunner:
         timing, began = self.breakdown, time.perf_counter()
         workers: set = set()
         tuned = all(run.done >= tune for run in runs)
-        # worker threads that can run segments (for the breakdown's utilisation)
-        timing.slots = sum(w.get("nthreads", 1) for w in scheduler_workers(self.client).values())
+        timing.slots = self._slots()
         for run in runs:
             if run.done < length:
                 submit(run)
@@ -277,6 +276,16 @@ class ChainRunner:
             timing.segments, timing.workers = self.segments, len(workers)
             timing.sampling_wall = time.perf_counter() - began
         recorder.finish(runs)
+
+    def _slots(self) -> int:
+        """Worker threads that can run segments now (for the breakdown's utilisation;
+        0 if the scheduler does not answer: the run itself then says what is wrong)."""
+        if self.client.status != "running":
+            return 0
+        try:
+            return sum(w.get("nthreads", 1) for w in scheduler_workers(self.client).values())
+        except Exception:
+            return 0
 
     def _refetch(self, future, run: _Chain, last: int, twins: list, submit) -> None:
         """A segment finished on a worker whose result does not come: run it again on
