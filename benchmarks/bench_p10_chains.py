@@ -129,7 +129,7 @@ def child(variant: str, out: str, chains: int, workers: int, rows: int, draws: i
             client = stack.enter_context(local_cluster(n_workers=workers))
             record["connect"] = time.perf_counter() - t0
         for case in COLD_AND_WARM:
-            cpu = _cpu_seconds(client)
+            cpu, caller = _cpu_seconds(client), _cpu_seconds()
             t0 = time.perf_counter()
             with m:
                 if variant == "pm":
@@ -138,6 +138,8 @@ def child(variant: str, out: str, chains: int, workers: int, rows: int, draws: i
                     result = dt.sample(**run, client=client)
             record[case] = time.perf_counter() - t0
             record[f"{case}-cpu"] = _cpu_seconds(client) - cpu
+            if client is not None:
+                record[f"{case}-cpu-caller"] = _cpu_seconds() - caller
             if variant == "dt":
                 b = last_breakdown()
                 record[f"{case}-breakdown"] = {
@@ -258,6 +260,8 @@ def compare(args) -> list[Row]:
                     round(statistics.median(x[f"{case}-cpu"] for x in records["pm"]), 1)),
                 Row(NAME, f"CPU seconds {case}, dt (caller, scheduler, workers), median",
                     round(statistics.median(x[f"{case}-cpu"] for x in records["dt"]), 1)),
+                Row(NAME, f"CPU seconds {case}, dt's caller and scheduler alone, median",
+                    round(statistics.median(x[f"{case}-cpu-caller"] for x in records["dt"]), 1)),
             ]  # fmt: skip
         rows += [
             Row(NAME, "connect: LocalCluster started (s), median, not in the ratio",

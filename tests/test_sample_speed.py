@@ -142,3 +142,30 @@ def test_workers_unpickle_a_numba_step_method_without_the_host_lock(client):
         assert not thread.is_alive(), "the workers waited for the host's compile lock"
     assert "error" not in done, done
     assert groups_of(done["result"])["posterior"]["mu"].shape[0] == RUN["chains"]
+
+
+def _profiling(dask_worker=None):
+    """(whether this worker runs a chain's segment now, whether its profiler runs)."""
+    executing = any("chain_" in str(ts.key) for ts in dask_worker.state.executing)
+    return executing, dask_worker.periodic_callbacks["profile"].is_running()
+
+
+def test_the_workers_profiler_pauses_while_segments_run(client):
+    """Dask's statistical profiler (a stack sample every 10 ms, under the GIL) is stopped
+    while a worker runs segments, and runs again once the run is over."""
+    seen: list = []
+
+    def look(trace, draw):
+        if draw.draw_idx % 5 == 0:
+            seen.extend(client.run(_profiling).values())
+
+    assert all(running for _, running in client.run(_profiling).values())
+    with hierarchical():
+        dt.sample(**dict(RUN, chains=4), client=client, checkpoint_every=5, callback=look,
+                  compute_convergence_checks=False)  # fmt: skip
+    busy = [running for executing, running in seen if executing]
+    assert busy and not all(busy), seen  # seen paused while segments ran
+    deadline = time.monotonic() + 10
+    while not all(running for _, running in client.run(_profiling).values()):
+        assert time.monotonic() < deadline, "the profiler did not start again"
+        time.sleep(0.05)

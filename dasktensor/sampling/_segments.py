@@ -17,12 +17,18 @@
   pymc-devs/pymc#7819).
 * **Imports ahead.**  While PyMC compiles the step method in the caller, each worker
   imports PyMC (:func:`prepare_worker`): a worker's first import of PyMC takes seconds.
+* **No profiler beside a segment.**  A Dask worker samples the stack of its running
+  task every 10 ms for the dashboard's profile, under the GIL, in its event loop: beside
+  a NUTS segment that cost the worker process several percent of CPU that PyMC's own
+  processes do not spend.  It pauses while the process runs segments (the task stream
+  still shows them) and starts again when none runs (:func:`profiler_paused`).
 * **A segment** (:func:`run_segment`) restores a chain's state into that step method and
   makes draws as PyMC's ``_iter_sample`` does (see :mod:`dasktensor.sampling._chains`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 import time
@@ -46,6 +52,52 @@ class _StepMethods(ProcessState):
         self.compiles: dict[str, int] = {}
         self.shared: dict[str, bool] = {}  # run -> unpickled by the host's workers at once
         self.lock = threading.Lock()
+
+
+class _Profiler(ProcessState):
+    """On a worker: segments running now, and whether they paused Dask's profiler."""
+
+    def __init__(self):
+        self.running = 0
+        self.paused = False
+        self.lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def profiler_paused():
+    """While any segment runs in this worker process, its statistical profiler (Dask's
+    ``profile`` callback) is stopped; it starts again when the last one ends.  Outside
+    a worker (or with the profiler disabled) nothing changes.
+
+    Examples
+    --------
+    >>> with profiler_paused():  # not in a worker's task here
+    ...     pass
+    """
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except ValueError:
+        worker = None
+    callback = None if worker is None else worker.periodic_callbacks.get("profile")
+    if callback is None:
+        yield
+        return
+    state = runtime.state(_Profiler)
+    with state.lock:
+        state.running += 1
+        if state.running == 1 and callback.is_running():
+            state.paused = True
+            worker.loop.add_callback(callback.stop)  # (on the event loop, its own thread)
+    try:
+        yield
+    finally:
+        with state.lock:
+            state.running -= 1
+            if state.running == 0 and state.paused:
+                state.paused = False
+                worker.loop.add_callback(lambda: callback.is_running() or callback.start())
 
 
 def _state() -> _StepMethods:
@@ -175,14 +227,15 @@ def run_segment(token: str, start: Start, first: int, last: int, tune: int, leng
                 step.reset_tuning()
         point, points, stats = aligned(start.point), [], []
         began = time.perf_counter()
-        for i in range(first, last):
-            if i == 0 and hasattr(step, "iter_count"):
-                step.iter_count = 0
-            if i == tune:
-                step.stop_tuning()
-            point, draw_stats = step.step(point)
-            points.append(point)
-            stats.append(draw_stats)
+        with profiler_paused():
+            for i in range(first, last):
+                if i == 0 and hasattr(step, "iter_count"):
+                    step.iter_count = 0
+                if i == tune:
+                    step.stop_tuning()
+                point, draw_stats = step.step(point)
+                points.append(point)
+                stats.append(draw_stats)
         seconds = time.perf_counter() - began
         stacked = {name: np.stack([p[name] for p in points]) for name in point}
         return {"points": stacked, "stats": stats, "state": step.sampling_state,
