@@ -60,7 +60,7 @@ def inner_graph_on(op, inputs) -> list:
         return list(op.fgraph.bind(list(inputs)))
     from pytensor.graph.basic import clone_get_equiv
 
-    memo = dict(zip(op.inner_inputs, inputs))
+    memo = dict(zip(op.inner_inputs, inputs, strict=True))
     equiv = clone_get_equiv(op.inner_inputs, op.inner_outputs, copy_inputs=False, memo=memo)
     return [equiv[o] for o in op.inner_outputs]
 

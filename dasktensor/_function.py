@@ -52,7 +52,7 @@ class DaskFunction:
                 f"DaskFunction expected at most {len(inputs)} input value(s) "
                 f"({', '.join(map(str, inputs))}), got {len(args)}"
             ) from error
-        for var, arg in zip(inputs, args):
+        for var, arg in zip(inputs, args, strict=False):  # (fewer values than inputs: checked)
             if arg is None and isinstance(var.type, TensorType):
                 raise TypeError(
                     f"DaskFunction expected an array for input {var} ({var.type}), got None"
@@ -107,7 +107,7 @@ class DaskFunction:
                 f"got {len(args)}"
             )
         values = [c.data for c in fn.input_storage]
-        for i, arg in zip(explicit, args):
+        for i, arg in zip(explicit, args, strict=True):
             inp = maker.inputs[i]
             values[i] = inp.variable.type.filter(
                 arg, strict=inp.strict, allow_downcast=inp.allow_downcast

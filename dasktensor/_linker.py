@@ -151,7 +151,7 @@ class DaskLinker(type(_BACKEND_LINKER)):  # type: ignore[misc]
             input_storage = [[None] for _ in fgraph.inputs]
         if output_storage is None:
             output_storage = [[None] for _ in fgraph.outputs]
-        for var, storage in zip(fgraph.inputs, input_storage):
+        for var, storage in zip(fgraph.inputs, input_storage, strict=True):
             if storage[0] is None and hasattr(var, "data"):  # constants
                 storage[0] = var.data
         thunk = _PlanThunk(
@@ -159,14 +159,17 @@ class DaskLinker(type(_BACKEND_LINKER)):  # type: ignore[misc]
             tuple(input_storage),
             tuple(output_storage),
             storage_map={
-                **dict(zip(fgraph.inputs, input_storage)),
-                **dict(zip(fgraph.outputs, output_storage)),
+                **dict(zip(fgraph.inputs, input_storage, strict=True)),
+                **dict(zip(fgraph.outputs, output_storage, strict=True)),
             },
         )
         return (
             thunk,
-            [Container(v, s) for v, s in zip(fgraph.inputs, input_storage)],
-            [Container(v, s, readonly=True) for v, s in zip(fgraph.outputs, output_storage)],
+            [Container(v, s) for v, s in zip(fgraph.inputs, input_storage, strict=True)],
+            [
+                Container(v, s, readonly=True)
+                for v, s in zip(fgraph.outputs, output_storage, strict=True)
+            ],
         )
 
     def _backend_thunk(self, input_storage, output_storage, storage_map, **kwargs):
@@ -201,7 +204,7 @@ class _PlanThunk:
 
     def __call__(self):
         values = self.executor(*[s[0] for s in self.inputs])
-        for s, v in zip(self.outputs, values):
+        for s, v in zip(self.outputs, values, strict=True):
             s[0] = v
         return values
 

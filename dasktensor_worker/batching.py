@@ -343,7 +343,7 @@ class Batcher:
     def _evaluate(self, batch: list[_Call]) -> list:
         """The method on the batch's arguments; one result per call."""
         n = len(batch)
-        columns = list(zip(*(c.args for c in batch))) if batch[0].args else []
+        columns = list(zip(*(c.args for c in batch), strict=True)) if batch[0].args else []
         if not self.stack:
             results = self.method(*(list(col) for col in columns))
             if not isinstance(results, list | tuple) or len(results) != n:
@@ -362,7 +362,7 @@ class Batcher:
                     f"one row per call: {n} call(s), got {_describe(out)}"
                 )
         if several:
-            rows = zip(*outputs)
+            rows = zip(*outputs, strict=True)
             return list(rows) if type(out) is tuple else [type(out)(r) for r in rows]
         return list(out)
 

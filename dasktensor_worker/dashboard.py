@@ -207,7 +207,7 @@ class CallsView:
         # the last SPAN seconds, or less when the calls began later (at least 5 s)
         end = time.time() * 1000
         xs, widths = self.calls.data["x"], self.calls.data["width"]
-        first = min((x - w / 2 for x, w in zip(xs, widths)), default=end) - 500
+        first = min((x - w / 2 for x, w in zip(xs, widths, strict=True)), default=end) - 500
         start = min(max(end - SPAN * 1000, first), end - 5_000)
         self.figure.x_range.start, self.figure.x_range.end = start, end
 

@@ -172,7 +172,7 @@ class ChannelMonitor(SchedulerPlugin):
             )
             now = time.time()
             with self._lock:
-                for address, reply in zip(addresses, replies):
+                for address, reply in zip(addresses, replies, strict=True):
                     if isinstance(reply, dict) and address in self.scheduler.workers:
                         self._take(address, reply, watched)
                 self._remember(now)
@@ -284,7 +284,8 @@ class ChannelMonitor(SchedulerPlugin):
                 e["workers"].append(address)
             for name, counts in reply.get("durations", {}).items():
                 e = entry(name)
-                e["durations"] = [a + b for a, b in zip(e["durations"], counts)]
+                # (a worker of another version may count other buckets: the common ones)
+                e["durations"] = [a + b for a, b in zip(e["durations"], counts, strict=False)]
         for name, e in found.items():
             e["batch"] = batch.get(name)
             e["p99"] = quantile(0.99, e["durations"])

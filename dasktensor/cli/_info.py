@@ -216,4 +216,6 @@ def _version_table(versions, worker_addresses) -> tuple[list[str], list[str]]:
 def table(rows) -> list[str]:
     """Rows of strings (the first a header) as lines of left-aligned columns."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]

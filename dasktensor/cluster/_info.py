@@ -82,7 +82,9 @@ class ClusterInfo:
     def lines(self) -> list[str]:
         rows = [HEADER, *(w.row() for w in self.workers)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-        return ["  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip() for r in rows]
+        return [
+            "  ".join(c.ljust(n) for c, n in zip(r, widths, strict=True)).rstrip() for r in rows
+        ]
 
     def __str__(self) -> str:
         head = f"Scheduler {self.scheduler}: {len(self.workers)} worker(s)"

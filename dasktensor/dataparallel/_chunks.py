@@ -122,7 +122,7 @@ def map_blocks(
     args = [*args, *fixed]
     arrays = []
     core_shapes = []
-    for x, b in zip(args, vec.batched):
+    for x, b in zip(args, vec.batched, strict=True):
         shape = tuple(x.shape)
         if b:
             arrays.append(_as_dask(x, batch_chunks + tuple((s,) for s in shape[nb:])))
@@ -181,7 +181,7 @@ def map_blocks(
             )
 
     outs = []
-    for k, (t, core) in enumerate(zip(vec.out_types, out_cores)):
+    for k, (t, core) in enumerate(zip(vec.out_types, out_cores, strict=True)):
         out_name = f"{label}-out{k}-{token}" if len(vec.out_types) > 1 else f"{label}-out-{token}"
         out_layer = {}
         for block in blocks:
@@ -286,16 +286,16 @@ def compute_arrays(arrays: list, client, progressbar: bool) -> list[np.ndarray]:
         from distributed import as_completed
 
         blocks, places = [], []
-        for a, out in zip(arrays, outs):
+        for a, out in zip(arrays, outs, strict=True):
             # unoptimised: chunks shared by several arrays keep one key (fusing them with
             # each array's getitem would compute them once per array)
             delayed = a.to_delayed(optimize_graph=False).ravel()
-            for block, place in zip(delayed, slices_from_chunks(a.chunks)):
+            for block, place in zip(delayed, slices_from_chunks(a.chunks), strict=True):
                 blocks.append(block)
                 places.append((out, place))
         futures = client.compute(blocks)
         where = {f.key: [] for f in futures}
-        for f, place in zip(futures, places):
+        for f, place in zip(futures, places, strict=True):
             where[f.key].append(place)
         if progressbar:
             from distributed import progress
@@ -311,7 +311,7 @@ def compute_arrays(arrays: list, client, progressbar: bool) -> list[np.ndarray]:
     get = get_scheduler()
     if getattr(get, "__module__", "") == "dask.multiprocessing":  # no shared targets there
         computed = dask.compute(*arrays)
-        for out, value in zip(outs, computed):
+        for out, value in zip(outs, computed, strict=True):
             out[...] = value
         return outs
 

@@ -110,7 +110,7 @@ def compute_dataset(dataset, client, progressbar: bool):
 
     names = [n for n, v in dataset.data_vars.items() if isinstance(v.data, da.Array)]
     values = compute_arrays([dataset[n].data for n in names], client, progressbar)
-    return dataset.assign({n: dataset[n].copy(data=v) for n, v in zip(names, values)})
+    return dataset.assign({n: dataset[n].copy(data=v) for n, v in zip(names, values, strict=True)})
 
 
 def replace_group(result, group: str, dataset):

@@ -125,7 +125,7 @@ def compute_log_likelihood(
     arrays = map_blocks(
         vec, values, chunked, None, "loglik", fixed=vec.fixed_values_of_new(), client=client
     )
-    dataset = lazy_dataset(template, dict(zip(names, arrays)), posterior, chunked)
+    dataset = lazy_dataset(template, dict(zip(names, arrays, strict=True)), posterior, chunked)
     if compute:
         dataset = compute_dataset(dataset, client, progressbar)
     if not extend_inferencedata:

@@ -187,7 +187,7 @@ class Pipeline:
         names = _names(self.stages, consumers)
         self.stages = [
             Stage(**{**st.__dict__, "name": names[st.index], "consumers": tuple(sorted(c))})
-            for st, c in zip(self.stages, consumers)
+            for st, c in zip(self.stages, consumers, strict=True)
         ]
         self.output_sources: list[FromInput | FromTask] = [
             FromTask(stage_of[o], wanted[stage_of[o]].index(o)) if o in stage_of
@@ -323,6 +323,6 @@ def _inlined(inputs: Sequence[Variable], outputs: Sequence[Variable]) -> list[Va
             outs = _inlined(args, _compat.inner_graph_on(node.op, args))
         else:
             outs = node.clone_with_new_inputs(args, strict=False).outputs
-        for old, new in zip(node.outputs, outs):
+        for old, new in zip(node.outputs, outs, strict=True):
             memo[old] = new
     return [memo.get(o, o) for o in outputs]

@@ -69,7 +69,7 @@ class PMapped:
         if len(axes) != n:
             raise ValueError(f"pmap: in_axes has {len(axes)} entries for {n} inputs")
         out: list[int | None] = []
-        for i, (a, x) in enumerate(zip(axes, args)):
+        for i, (a, x) in enumerate(zip(axes, args, strict=True)):
             if a is None:
                 out.append(None)
                 continue
@@ -95,11 +95,11 @@ class PMapped:
             inputs = list(inputs)
             if len(inputs) != len(args):
                 raise TypeError(f"pmap: the graph has {len(inputs)} inputs, got {len(args)}")
-            for i, (v, x, b) in enumerate(zip(inputs, args, batched)):
+            for i, (v, x, b) in enumerate(zip(inputs, args, batched, strict=True)):
                 # the compiled graph takes the values as they are: check them here
                 shape = tuple(x.shape[1:] if b else x.shape)
                 fits = len(shape) == v.type.ndim and all(
-                    d is None or d == s for d, s in zip(v.type.shape, shape)
+                    d is None or d == s for d, s in zip(v.type.shape, shape, strict=True)
                 )
                 if str(x.dtype) != v.type.dtype or not fits:
                     raise TypeError(
@@ -110,7 +110,7 @@ class PMapped:
             single = not isinstance(outputs, list | tuple)
             return inputs, [outputs] if single else list(outputs), single
         inputs = []
-        for i, (x, b) in enumerate(zip(args, batched)):
+        for i, (x, b) in enumerate(zip(args, batched, strict=True)):
             shape = tuple(x.shape[1:] if b else x.shape)
             inputs.append(pt.tensor(dtype=str(x.dtype), shape=shape, name=f"x{i}"))
         outputs = self.fn(*inputs)
@@ -134,10 +134,10 @@ class PMapped:
         # the batch axis first: the vectorised graph batches leading axes
         arrays = [
             x if a in (None, 0) else (da if isinstance(x, da.Array) else np).moveaxis(x, a, 0)
-            for x, a in zip(arrays, axes)
+            for x, a in zip(arrays, axes, strict=True)
         ]
         batched = [a is not None for a in axes]
-        sizes = {x.shape[0] for x, b in zip(arrays, batched) if b}
+        sizes = {x.shape[0] for x, b in zip(arrays, batched, strict=True) if b}
         if len(sizes) != 1:
             raise ValueError(
                 "pmap: batched inputs must have the same length along their batch axes, "
@@ -151,7 +151,7 @@ class PMapped:
             )
         signature = tuple(
             (str(x.dtype), tuple(x.shape[1:] if b else x.shape), b)
-            for x, b in zip(arrays, batched)
+            for x, b in zip(arrays, batched, strict=True)
         )
         vec, single = self._cache.get(signature, (None, None))
         fixed = vec.fixed_values() if vec is not None else None
@@ -164,13 +164,17 @@ class PMapped:
         chunks = self.chunks
         if chunks == "auto":
             dask_chunks = [
-                x.chunks[0] for x, b in zip(arrays, batched) if b and isinstance(x, da.Array)
+                x.chunks[0]
+                for x, b in zip(arrays, batched, strict=True)
+                if b and isinstance(x, da.Array)
             ]
             if dask_chunks:
                 batch = (dask_chunks[0],)
             else:
                 per = sum(
-                    x.dtype.itemsize * math.prod(x.shape[1:]) for x, b in zip(arrays, batched) if b
+                    x.dtype.itemsize * math.prod(x.shape[1:])
+                    for x, b in zip(arrays, batched, strict=True)
+                    if b
                 )
                 per += sum(
                     np.dtype(t.dtype).itemsize * math.prod(d or 1 for d in t.shape[1:])

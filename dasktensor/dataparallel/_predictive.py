@@ -92,7 +92,11 @@ def _template(model, idata, var_names, predictions):
     names, objects = _decisive(model, idata, var_names, predictions)
     with _cache_lock:
         for entry in _templates.get(model, []):
-            if entry[0] == names and all(a is b for a, b in zip(entry[1], objects)):
+            if (
+                entry[0] == names
+                and len(entry[1]) == len(objects)
+                and all(a is b for a, b in zip(entry[1], objects, strict=True))
+            ):
                 return entry[2], entry[3]
     small_result, fn = _forward_function(model, first_draw(idata), var_names, predictions)
     with _cache_lock:
@@ -251,7 +255,8 @@ def sample_posterior_predictive(
     # variable); the compiled graph takes them as they are
     values = [posterior[v.name].data for v in inputs]
     values = [
-        x if x.dtype == v.type.dtype else x.astype(v.type.dtype) for x, v in zip(values, inputs)
+        x if x.dtype == v.type.dtype else x.astype(v.type.dtype)
+        for x, v in zip(values, inputs, strict=True)
     ]
 
     group = "predictions" if predictions else "posterior_predictive"
@@ -262,7 +267,7 @@ def sample_posterior_predictive(
     arrays = map_blocks(
         vec, values, chunked, random_seed, "predictive", fixed=fixed, client=client
     )
-    dataset = lazy_dataset(template, dict(zip(names, arrays)), posterior, chunked)
+    dataset = lazy_dataset(template, dict(zip(names, arrays, strict=True)), posterior, chunked)
     if compute:
         dataset = compute_dataset(dataset, client, progressbar)
     return replace_group(small_result, group, dataset)

@@ -133,9 +133,9 @@ class Vectorized:
         # inputs may be inner variables (PyMC conditions on random variables' outputs):
         # cut the graph there, so that nothing above them is cloned or recomputed
         roots = [v.type() for v in inputs]
-        for root, v in zip(roots, inputs):
+        for root, v in zip(roots, inputs, strict=True):
             root.name = v.name
-        outputs = clone_replace(list(outputs), replace=dict(zip(inputs, roots)))
+        outputs = clone_replace(list(outputs), replace=dict(zip(inputs, roots, strict=True)))
         # data in shared variables (pm.Data...) becomes an unbatched input whose value
         # is read at each call (``fixed_values``): a lazy result does not change when the
         # variable does later; so do large constants (data given to PyMC as arrays): kept
@@ -144,14 +144,14 @@ class Vectorized:
         shared = _shared_variables(outputs, rngs=False)
         large = _large_constants(outputs)
         fixed = [v.type() for v in shared + large]
-        outputs = clone_replace(outputs, replace=dict(zip(shared + large, fixed)))
+        outputs = clone_replace(outputs, replace=dict(zip(shared + large, fixed, strict=True)))
         self._shared = shared
         self._constants = [c.data for c in large]
         fixed_values = self._fixed_values()
         inputs = roots + fixed
         self.batched = self.batched + (False,) * len(fixed)
         new_inputs, replace = [], {}
-        for v, b in zip(inputs, self.batched):
+        for v, b in zip(inputs, self.batched, strict=True):
             if b:
                 bv = pt.tensor(
                     dtype=v.type.dtype, shape=(None,) * n_batch + tuple(v.type.shape), name=v.name
@@ -161,7 +161,7 @@ class Vectorized:
             else:
                 new_inputs.append(v)
         outputs, checks = _freeze_sizes(
-            list(outputs), list(replace), dict(zip(fixed, fixed_values))
+            list(outputs), list(replace), dict(zip(fixed, fixed_values, strict=True))
         )
         self._size_checks = [
             (fn, [fixed.index(v) for v in roots], value) for fn, roots, value in checks
@@ -175,12 +175,12 @@ class Vectorized:
                 o
                 if o.ndim == out.ndim + n_batch
                 else pt.broadcast_to(o, batch_shape + tuple(o.shape))
-                for o, out in zip(outs, outputs)
+                for o, out in zip(outs, outputs, strict=True)
             ]
         self.rngs = _shared_variables(outs, rngs=True)
         rng_inputs = [r.type() for r in self.rngs]
         if self.rngs:
-            outs = clone_replace(outs, replace=dict(zip(self.rngs, rng_inputs)))
+            outs = clone_replace(outs, replace=dict(zip(self.rngs, rng_inputs, strict=True)))
         self.out_types = [o.type for o in outs]
         self.runner = TaskRunner([*new_inputs, *rng_inputs], outs, backend="inner", name=name)
         #: the placed stages of a graph with ``dt.annotate`` blocks (None without blocks:
@@ -230,7 +230,8 @@ class Vectorized:
     def _evaluate_core_shapes(self, core_shapes_in: list[tuple]) -> list[tuple]:
         fresh, outs = self.runner.graph
         dummies = []
-        for v, b, shape in zip(fresh, self.batched, core_shapes_in):
+        # fresh ends with the random generators' inputs (rng_vars below), not zipped here
+        for v, b, shape in zip(fresh, self.batched, core_shapes_in, strict=False):
             full = (1,) * self.n_batch + tuple(shape) if b else tuple(shape)
             dummies.append(np.broadcast_to(np.zeros((), dtype=v.type.dtype), full))
         rng_vars = fresh[len(self.batched) :]

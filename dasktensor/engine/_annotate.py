@@ -117,12 +117,12 @@ def _vectorize_placed(op: Placed, node: Apply, *batched_inputs) -> Apply:
     the batch in Python.  Here the block keeps its placement and name and runs its
     vectorised inner graph once per chunk.
     """
-    if all(b.type == i.type for b, i in zip(batched_inputs, node.inputs)):
+    if all(b.type == i.type for b, i in zip(batched_inputs, node.inputs, strict=True)):
         return op.make_node(*batched_inputs)
     element = [i.type() for i in node.inputs]
     inner = [b.type() for b in batched_inputs]
     outputs = vectorize_graph(
-        _compat.inner_graph_on(op, element), replace=dict(zip(element, inner))
+        _compat.inner_graph_on(op, element), replace=dict(zip(element, inner, strict=True))
     )
     vectorised = Placed(
         inner,
@@ -293,7 +293,9 @@ class annotate:
         if not frontier:
             return
         inner_inputs = [v.type() for v in inputs]
-        inner_outputs = clone_replace(frontier, replace=dict(zip(inputs, inner_inputs)))
+        inner_outputs = clone_replace(
+            frontier, replace=dict(zip(inputs, inner_inputs, strict=True))
+        )
         label = self.name or f"annotated-{op_label(nodes[-1].op)}"
         op = Placed(inner_inputs, inner_outputs, placement=self.placement, label=label)
         for o in frontier:  # rewire the caller's variables to the placed node

@@ -94,7 +94,7 @@ class PlanExecutor:
             kwargs["num_workers"] = max(os.cpu_count() or 1, waiting)
         got = get(dsk, [keys[i] for i in needed], **kwargs)
         results: list = [None] * len(keys)
-        for i, r in zip(needed, got):
+        for i, r in zip(needed, got, strict=True):
             results[i] = r
         return self.graph.outputs(values, results)
 
@@ -175,7 +175,7 @@ class PlanExecutor:
         wanted |= self.graph.task_outputs_needed()
         wanted = sorted(i for i in wanted if futures[i] is not None)
         if wanted:
-            for i, value in zip(wanted, client.gather([futures[i] for i in wanted])):
+            for i, value in zip(wanted, client.gather([futures[i] for i in wanted]), strict=True):
                 computed[i] = value
         # 5. cheap stages after the cluster work, on the caller
         run_here("after")
@@ -216,7 +216,7 @@ class PlanExecutor:
             if not keys:
                 continue
             futures = client.scatter([large[k] for k in keys], hash=False, broadcast=broadcast)
-            for key, future in zip(keys, futures):
+            for key, future in zip(keys, futures, strict=True):
                 out[key] = future
                 if key in shared_pos:
                     self._resident[(id(client), shared_pos[key])] = (large[key], future)

@@ -373,7 +373,9 @@ def make_plan(fgraph: FunctionGraph, blocks: list[Block], weights: Weights) -> P
     deps = [sorted(renumber[d] for d in preds[old]) for old in order]
     remote = [any(is_remote(n) for n in block) for block in blocks]
     # cheap stages between two cluster tasks run on the cluster
-    on_cluster = [any(weights[n].anchor for n in b) and not r for b, r in zip(blocks, remote)]
+    on_cluster = [
+        any(weights[n].anchor for n in b) and not r for b, r in zip(blocks, remote, strict=True)
+    ]
     above, below = anchors_around(range(len(blocks)), deps, on_cluster.__getitem__)
 
     task_of_node = {n: i for i, block in enumerate(blocks) for n in block}

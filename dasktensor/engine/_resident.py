@@ -84,7 +84,7 @@ class StageServer:
     def run_together(self, n_inputs: list, tokens: list, given: list) -> list:
         """:meth:`run` for several calls that waited for this stage (see
         ``dasktensor_worker.batching``): one reply per call, each what it gets alone."""
-        return [self._run_one(*call) for call in zip(n_inputs, tokens, given)]
+        return [self._run_one(*call) for call in zip(n_inputs, tokens, given, strict=True)]
 
     def _run_one(self, n_inputs: int, tokens: Sequence, given: Sequence) -> list:
         values = dict(given)

@@ -142,9 +142,9 @@ class TaskRunner:
         mode=None,
     ):
         fresh = [v.type() for v in inputs]
-        for new, old in zip(fresh, inputs):
+        for new, old in zip(fresh, inputs, strict=True):
             new.name = old.name
-        cloned = clone_replace(list(outputs), replace=dict(zip(inputs, fresh)))
+        cloned = clone_replace(list(outputs), replace=dict(zip(inputs, fresh, strict=True)))
         self.name = name
         self.destroyed = tuple(destroyed)
         self.backend = backend

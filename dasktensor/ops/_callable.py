@@ -164,7 +164,7 @@ class _CallableOp(Op):
                     f"cast it explicitly (pt.cast(x, {want.dtype!r}))"
                 )
             x = pt.cast(x, want.dtype)
-        for axis, (have, need) in enumerate(zip(x.type.shape, want.shape)):
+        for axis, (have, need) in enumerate(zip(x.type.shape, want.shape, strict=True)):
             if have is not None and need is not None and have != need:
                 raise TypeError(
                     f"{self} input {i} expected shape {want.shape}, got {x.type.shape} "
@@ -176,14 +176,15 @@ class _CallableOp(Op):
 
     def _check_outputs(self, results, node, inputs) -> list[np.ndarray]:
         outs = []
-        for j, (value, var) in enumerate(zip(results, node.outputs)):
+        for j, (value, var) in enumerate(zip(results, node.outputs, strict=True)):
             arr = np.asarray(value, dtype=var.dtype)
             if not arr.flags.writeable or any(np.may_share_memory(arr, x) for x in inputs):
                 # PyTensor owns a node's outputs and may overwrite them in place later
                 arr = arr.copy()
             want = var.type
             if arr.ndim != want.ndim or any(
-                need is not None and have != need for have, need in zip(arr.shape, want.shape)
+                need is not None and have != need
+                for have, need in zip(arr.shape, want.shape, strict=True)
             ):
                 raise ValueError(
                     f"{self} output {j}: {getattr(self.fn, '__name__', 'fn')} returned an "
@@ -248,7 +249,9 @@ class _CallableOp(Op):
                 f"{self}: {getattr(self.fn, '__name__', 'fn')} returned {len(results)} "
                 f"value(s), expected {len(node.outputs)}"
             )
-        for storage, value in zip(output_storage, self._check_outputs(results, node, inputs)):
+        for storage, value in zip(
+            output_storage, self._check_outputs(results, node, inputs), strict=True
+        ):
             storage[0] = value
 
     def _no_gradient(self, inputs, outputs, cotangents):
@@ -267,7 +270,7 @@ def _wrapped_hint(value, want) -> str:
         return ""
     inner = np.shape(value[0])
     if len(inner) != want.ndim or any(
-        need is not None and have != need for have, need in zip(inner, want.shape)
+        need is not None and have != need for have, need in zip(inner, want.shape, strict=True)
     ):
         return ""
     kind = type(value).__name__
@@ -366,7 +369,7 @@ class ArraysToArraysOp(_CallableOp):
             return self._no_gradient(inputs, outputs, cotangents)
         cotangents = [
             pt.zeros_like(out) if isinstance(g.type, DisconnectedType) else g
-            for out, g in zip(outputs, cotangents)
+            for out, g in zip(outputs, cotangents, strict=True)
         ]
         op = _VjpOp(
             self.vjp, (*self.itypes, *self.otypes), self.itypes,
@@ -383,7 +386,7 @@ class ArraysToArraysOp(_CallableOp):
             )
         tangents = [
             pt.zeros_like(x) if t is None or isinstance(t.type, DisconnectedType) else t
-            for x, t in zip(inputs, tangents)
+            for x, t in zip(inputs, tangents, strict=True)
         ]
         op = self._derivative_op(self.jvp, "jvp", self.itypes, self.otypes)
         out = op(*inputs, *tangents)
@@ -422,7 +425,8 @@ class _VjpOp(ArraysToArraysOp):
 
     def _check_outputs(self, results, node, inputs) -> list[np.ndarray]:
         outs = super()._check_outputs(results, node, inputs)
-        for i, (grad, x) in enumerate(zip(outs, inputs)):  # one gradient per input
+        # one gradient per forward input (the cotangents follow them in inputs)
+        for i, (grad, x) in enumerate(zip(outs, inputs[: len(outs)], strict=True)):
             if grad.shape != np.shape(x):
                 raise ValueError(
                     f"{self}: the vjp {getattr(self.fn, '__name__', 'fn')} returned a "
@@ -437,7 +441,7 @@ class _VjpOp(ArraysToArraysOp):
             return self._no_gradient(inputs, outputs, cotangents)
         cotangents = [
             pt.zeros_like(out) if isinstance(c.type, DisconnectedType) else c
-            for out, c in zip(outputs, cotangents)
+            for out, c in zip(outputs, cotangents, strict=True)
         ]
         xs = inputs[:n]
         jvp = ArraysToArraysOp(

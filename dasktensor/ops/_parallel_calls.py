@@ -100,7 +100,7 @@ class ParallelCallsOp(Op):
         for kind, members in batches.items():
             try:
                 raw = kind.call_together([(target, m[2]) for target, m in members])
-                for (_, (op, sub, args, storage)), out in zip(members, raw):
+                for (_, (op, sub, args, storage)), out in zip(members, raw, strict=True):
                     op.store_result(sub, out, args, storage)
             except Exception as e:  # raised once the other calls are done too
                 errors.append(e)
@@ -147,7 +147,7 @@ class MergeIndependentCalls(GraphRewriter):
             Apply(op, inputs, outputs)
             old = [o for n in nodes for o in n.outputs]
             fgraph.replace_all_validate(
-                list(zip(old, outputs)), reason="dasktensor_parallel_calls"
+                list(zip(old, outputs, strict=True)), reason="dasktensor_parallel_calls"
             )
 
 

@@ -237,7 +237,7 @@ class ShardPlan:
         """The data inputs' current values; raises if a shape differs from the plan's
         (a shared variable set to data of another shape: find the shards again)."""
         values = [d.value() for d in self.data]
-        for d, v in zip(self.data, values):
+        for d, v in zip(self.data, values, strict=True):
             if v.shape != d.shape:
                 raise ValueError(
                     f"{d.name} has shape {v.shape}, the plan {d.shape}: find the shards again"
@@ -391,7 +391,7 @@ class _Analysis:
             self.cases.setdefault(v)  # a flag over all rows, e.g. PyMC's parameter checks
             self.assumed.update(node.outputs)
         self.outcomes[node] = out
-        self.status.update(zip(node.outputs, out.statuses))
+        self.status.update(zip(node.outputs, out.statuses, strict=True))
 
     def _how(self, node, default):
         out = self.outcomes.get(node)

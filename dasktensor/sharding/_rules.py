@@ -119,7 +119,7 @@ def common_axis(
     must broadcast along it (a static length 1 there, or too few dimensions to reach it).
     """
     dims = [v.type.ndim for v in vars_] if dims is None else dims
-    rows = [(d, r) for v, d in zip(vars_, dims) if (r := _row(status(v))) is not None]
+    rows = [(d, r) for v, d in zip(vars_, dims, strict=True) if (r := _row(status(v))) is not None]
     places = {r.axis + ndim - d if r.axis < d else -1 for d, r in rows}
     if len(places) != 1 or -1 in places:
         raise Reject(
@@ -127,7 +127,7 @@ def common_axis(
             f"(from '{rows[0][1].origin}')"
         )
     [place] = places
-    for v, d in zip(vars_, dims):
+    for v, d in zip(vars_, dims, strict=True):
         j = place - (ndim - d)
         if _row(status(v)) is None and j >= 0 and not v.type.broadcastable[j]:
             raise Reject(
@@ -328,8 +328,8 @@ def _shape(node, status, n_rows, data_shape):
 
 def _blockwise(node, status):
     """A Blockwise node whose row axis is a batch axis: each row is a batch item."""
-    dims = [v.type.ndim - len(sig) for v, sig in zip(node.inputs, node.op.inputs_sig)]
-    if any(r.axis >= d for v, d in zip(node.inputs, dims) if (r := _row(status(v)))):
+    dims = [v.type.ndim - len(sig) for v, sig in zip(node.inputs, node.op.inputs_sig, strict=True)]
+    if any(r.axis >= d for v, d in zip(node.inputs, dims, strict=True) if (r := _row(status(v)))):
         _unknown(node, status, type(node.op.core_op).__name__)
     row = common_axis(node, node.inputs, status, node.op.batch_ndim(node), dims)
     return Outcome((row,) * len(node.outputs))
@@ -410,7 +410,7 @@ def rebuild(outputs, memo: dict, how: Callable, root: Callable) -> list[Variable
             stack.extend(missing)
             continue
         stack.pop()
-        memo.update(zip(var.owner.outputs, fn(*[memo[d] for d in deps])))
+        memo.update(zip(var.owner.outputs, fn(*[memo[d] for d in deps]), strict=True))
     return [memo[o] for o in outputs]
 
 
@@ -440,7 +440,7 @@ def expand(fgraph: FunctionGraph) -> list[Variable]:
             def inline(*ins):
                 new = node if list(ins) == node.inputs else node.clone_with_new_inputs(ins)
                 outs = _compat.inline_op_from_graph(new)
-                return rebuild(outs, dict(zip(ins, ins)), how, _missing)
+                return rebuild(outs, dict(zip(ins, ins, strict=True)), how, _missing)
 
             return node.inputs, inline
         if (
