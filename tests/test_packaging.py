@@ -46,7 +46,7 @@ def conda_requirements() -> dict[str, str]:
         if not isinstance(entry, str):  # a pip: section
             continue
         name, _, lower = re.match(r"([A-Za-z0-9_.\-]+)\s*(>=\s*)?(.*)", entry).groups()
-        found[normal(name)] = lower.strip()
+        found[normal(name)] = lower.split(",")[0].strip()  # (the lower bound of >=A,<B)
     return found
 
 
