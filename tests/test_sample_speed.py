@@ -145,14 +145,16 @@ def test_workers_unpickle_a_numba_step_method_without_the_host_lock(client):
 
 
 def _profiling(dask_worker=None):
-    """(whether this worker runs a chain's segment now, whether its profiler runs)."""
+    """(whether this worker runs a chain's segment now, whether its profiler and event
+    loop probe run)."""
     executing = any("chain_" in str(ts.key) for ts in dask_worker.state.executing)
-    return executing, dask_worker.periodic_callbacks["profile"].is_running()
+    callbacks = dask_worker.periodic_callbacks
+    return executing, callbacks["profile"].is_running() and callbacks["tick"].is_running()
 
 
 def test_the_workers_profiler_pauses_while_segments_run(client):
-    """Dask's statistical profiler (a stack sample every 10 ms, under the GIL) is stopped
-    while a worker runs segments, and runs again once the run is over."""
+    """Dask's statistical profiler (a stack sample every 10 ms, under the GIL) and event
+    loop probe are stopped while a worker runs segments, and run again once it is over."""
     seen: list = []
 
     def look(trace, draw):

@@ -18,10 +18,11 @@
 * **Imports ahead.**  While PyMC compiles the step method in the caller, each worker
   imports PyMC (:func:`prepare_worker`): a worker's first import of PyMC takes seconds.
 * **No profiler beside a segment.**  A Dask worker samples the stack of its running
-  task every 10 ms for the dashboard's profile, under the GIL, in its event loop: beside
-  a NUTS segment that cost the worker process several percent of CPU that PyMC's own
-  processes do not spend.  It pauses while the process runs segments (the task stream
-  still shows them) and starts again when none runs (:func:`profiler_paused`).
+  task every 10 ms for the dashboard's profile, under the GIL, in its event loop, and
+  times its event loop every 20 ms (``tick``, 1.2 % of a core on an idle worker): beside a
+  NUTS segment that cost the worker process several percent of CPU that PyMC's own
+  processes do not spend.  Both pause while the process runs segments (the task stream
+  still shows them) and start again when none runs (:func:`profiler_paused`).
 * **A segment** (:func:`run_segment`) restores a chain's state into that step method and
   makes draws as PyMC's ``_iter_sample`` does (see :mod:`dasktensor.sampling._chains`).
 """
@@ -54,20 +55,25 @@ class _StepMethods(ProcessState):
         self.lock = threading.Lock()
 
 
+#: a worker's periodic callbacks that pause while it runs segments: the statistical
+#: profiler, and the event loop's latency probe
+PAUSED = ("profile", "tick")
+
+
 class _Profiler(ProcessState):
-    """On a worker: segments running now, and whether they paused Dask's profiler."""
+    """On a worker: segments running now, and the periodic callbacks they paused."""
 
     def __init__(self):
         self.running = 0
-        self.paused = False
+        self.paused: list = []
         self.lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def profiler_paused():
-    """While any segment runs in this worker process, its statistical profiler (Dask's
-    ``profile`` callback) is stopped; it starts again when the last one ends.  Outside
-    a worker (or with the profiler disabled) nothing changes.
+    """While any segment runs in this worker process, its statistical profiler and event
+    loop probe (Dask's ``profile`` and ``tick`` callbacks, ``PAUSED``) are stopped; they
+    start again when the last one ends.  Outside a worker nothing changes.
 
     Examples
     --------
@@ -79,25 +85,30 @@ def profiler_paused():
 
         worker = get_worker()
     except ValueError:
-        worker = None
-    callback = None if worker is None else worker.periodic_callbacks.get("profile")
-    if callback is None:
         yield
         return
     state = runtime.state(_Profiler)
     with state.lock:
         state.running += 1
-        if state.running == 1 and callback.is_running():
-            state.paused = True
-            worker.loop.add_callback(callback.stop)  # (on the event loop, its own thread)
+        if state.running == 1:
+            callbacks = [worker.periodic_callbacks.get(name) for name in PAUSED]
+            state.paused = [c for c in callbacks if c is not None and c.is_running()]
+            for callback in state.paused:  # on the event loop, its own thread
+                worker.loop.add_callback(callback.stop)
     try:
         yield
     finally:
         with state.lock:
             state.running -= 1
-            if state.running == 0 and state.paused:
-                state.paused = False
-                worker.loop.add_callback(lambda: callback.is_running() or callback.start())
+            if state.running == 0:
+                for callback in state.paused:
+                    worker.loop.add_callback(_restart, callback)
+                state.paused = []
+
+
+def _restart(callback) -> None:
+    if not callback.is_running():
+        callback.start()
 
 
 def _state() -> _StepMethods:
