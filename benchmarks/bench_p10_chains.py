@@ -185,7 +185,9 @@ def _spawn(variant: str, args, scratch: str) -> dict:
     out = os.path.join(caches, "result.json")
     env = dict(os.environ, **SINGLE_THREAD_ENV)
     env["PYTENSOR_FLAGS"] = ",".join(
-        f for f in [os.environ.get("PYTENSOR_FLAGS", ""), f"base_compiledir={caches}/pytensor"] if f
+        f
+        for f in [os.environ.get("PYTENSOR_FLAGS", ""), f"base_compiledir={caches}/pytensor"]
+        if f
     )
     env["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
     command = [sys.executable, os.path.abspath(__file__), "--child", variant, "--out", out,
@@ -250,7 +252,9 @@ def compare(args) -> list[Row]:
                 for k, v in x[f"{case}-breakdown"]["phases"].items():
                     phases.setdefault(k, []).append(v)
             for k, v in phases.items():
-                rows.append(Row(NAME, f"dt {case}: {k} (s), median", round(statistics.median(v), 2)))
+                rows.append(
+                    Row(NAME, f"dt {case}: {k} (s), median", round(statistics.median(v), 2))
+                )
             rows.append(Row(NAME, f"dt {case}: step method usable on the workers (s), median",
                             round(statistics.median(x[f"{case}-breakdown"]["compile"]
                                                     for x in records["dt"]), 2)))  # fmt: skip
