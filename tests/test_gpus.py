@@ -514,6 +514,34 @@ def test_a_build_lost_to_the_nannys_memory_restart_is_named_as_such():
     assert "left while building" not in message
 
 
+class Greedy:
+    """A model whose call takes more host memory than its worker may use."""
+
+    def f(self, nbytes):
+        block = np.ones(nbytes // 8)  # touched: resident
+        time.sleep(30)  # the nanny looks every 100 ms
+        return float(block[0])
+
+
+def test_a_call_lost_to_the_nannys_memory_restart_is_named_as_such():
+    from distributed import Client
+
+    with (
+        dask.config.set({"dasktensor.remote.allowed-failures": 0}),
+        local_cluster(n_workers=1, memory_limit="600MiB") as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
+        model = dt.RemoteModel(Greedy, name="greedy", scheduler=client)
+        assert model.call("f", 8) == 1.0  # built and serving
+        with pytest.raises(dt.RemoteModelError) as info:
+            model.call("f", 700 * 2**20)
+    message = str(info.value)
+    assert "1 workers failed while calling 'f'" in message, message
+    assert "restarted it for memory" in message, message
+    assert "of its 600.00 MiB memory limit" in message
+    assert "--memory-limit" in message and "check the workers' logs" not in message
+
+
 def test_the_worker_command_describes_itself(capsys):
     with pytest.raises(SystemExit) as info:
         main(["worker", "--help"])

@@ -70,10 +70,14 @@ def memory_restart(client, workers: dict, since: float, wait_s: float = 1.0) -> 
             if stamp >= since and address in workers:
                 limit = (workers[address] or {}).get("memory_limit") or 0
                 used = msg.get("rss") or 0
-                share = f" ({used / limit:.0%})" if limit else ""
+                of = (
+                    f"({used / limit:.0%}) of its {format_bytes(limit)} memory limit"
+                    if limit
+                    else "of a memory limit not known here"
+                )
                 return (
                     f"the nanny of worker {address} restarted it for memory: it used "
-                    f"{format_bytes(used)}{share} of its {format_bytes(limit)} memory limit "
+                    f"{format_bytes(used)} {of} "
                     "(the nanny restarts a worker at distributed.worker.memory.terminate, "
                     "95 % of it). Raise the limit where the worker starts (`dask worker "
                     "--memory-limit 32GiB`, 0 for none; dt.connect(memory_limit=...)); GPU "

@@ -98,7 +98,7 @@ def call(
         if status is None:  # the connection failed: the worker is lost to us
             lost += 1
             replicas.drop(address)
-            _check_lost(spec, method, address, lost, reply)
+            _check_lost(spec, method, address, lost, reply, replicas)
             continue
         if retries_left:
             retries_left -= 1
@@ -267,14 +267,31 @@ def call_many(calls: Sequence[tuple]) -> list:
     return results
 
 
-def _check_lost(spec: ModelSpec, method, address: str, lost: int, reason) -> None:
+def _check_lost(spec: ModelSpec, method, address: str, lost: int, reason, replicas=None) -> None:
     if lost > _config.get("remote.allowed-failures"):
         what = f"{type(reason).__name__}: {reason}"
+        why = _memory_restart(spec, address, replicas)
         raise RemoteModelError(
             f"{spec!r}: {lost} workers failed while calling {method!r}; the last was "
             f"{address} ({what}). Expected at most dasktensor.remote.allowed-failures="
-            f"{_config.get('remote.allowed-failures')}; check the workers' logs"
+            f"{_config.get('remote.allowed-failures')}; "
+            + (f"{why}" if why else "check the workers' logs")
         ) from (reason if isinstance(reason, BaseException) else None)
+
+
+def _memory_restart(spec: ModelSpec, address: str, replicas) -> str | None:
+    """Why the worker at ``address`` left, when its nanny restarted it for memory (a
+    sentence, see ``cluster.memory_restart``); None otherwise, or when the scheduler
+    cannot say.  A worker's address is its process's own, so any such event about it is
+    about this loss."""
+    from dasktensor.cluster._errors import memory_restart
+
+    try:
+        client = spec.client()
+    except Exception:  # noqa: BLE001 - no scheduler to ask: the usual message
+        return None
+    info = getattr(replicas, "worker_info", {}).get(address) or {}
+    return memory_restart(client, {address: info}, 0.0)
 
 
 def _raise_remote(message: dict):

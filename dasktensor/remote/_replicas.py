@@ -85,6 +85,9 @@ class ReplicaSet:
         self.building = threading.Lock()
         self.addresses: list[str] = []  # sorted: the same order in every process
         self.endpoints: dict[str, tuple] = {}  # address -> its call server (host, port, tls)
+        #: address -> the scheduler's info on the worker when the replicas were last
+        #: looked for (its memory limit names a nanny's memory restart, see _calls)
+        self.worker_info: dict[str, dict] = {}
         self.number = 0  # the model's number on the cluster (see _number)
         self.process_number = 0  # this process's, likewise
         self.leased: set[str] = set()  # workers where this process's lease keeps a shared model
@@ -231,6 +234,7 @@ class ReplicaSet:
             check_resources(client, [Placement(resources=spec.resources)])
         listed = scheduler_workers(client)
         workers = some_answering(listed, self.endpoints, self.security)
+        self.worker_info = {**self.worker_info, **workers}
         eligible = [a for a, w in workers.items() if offers(w.get("resources"), spec.resources)]
         if spec.only_workers:
             eligible = [a for a in eligible if a in _named(spec, eligible, workers)]

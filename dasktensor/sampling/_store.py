@@ -190,7 +190,7 @@ def _zarr():
     except ImportError as e:  # pragma: no cover - zarr is in the test extra
         raise ImportError(
             "dt.sample(store=...) writes a zarr store; install zarr>=3 "
-            "(`pip install zarr`, or `pip install dasktensor[test]`)"
+            "(`pip install zarr`, or `pip install 'dasktensor[zarr]'`)"
         ) from e
     if int(zarr.__version__.split(".")[0]) < 3:  # pragma: no cover - both lines have 3
         raise ImportError(f"dt.sample(store=...) needs zarr>=3, found {zarr.__version__}")
