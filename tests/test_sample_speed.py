@@ -110,6 +110,22 @@ def test_the_workers_import_pymc_while_the_caller_compiles():
             time.sleep(0.1)
 
 
+def test_the_workers_import_pymc_ahead_only_for_plain_models(client):
+    """Not while the caller's compilation builds data shards or remote models on them."""
+    from _sample_models import with_remote_likelihood
+
+    from dasktensor.sampling._sample import _plain
+
+    with hierarchical() as model:
+        assert _plain(model, None)
+        assert not _plain(model, {"mode": dt.dask_mode()})
+    remote_model, remote = with_remote_likelihood(client)
+    try:
+        assert not _plain(remote_model, None)
+    finally:
+        remote.close()
+
+
 def test_which_step_methods_the_workers_of_a_host_unpickle_at_once():
     from dasktensor.sampling._chains import _cloudpickled
 

@@ -150,7 +150,8 @@ progressbar, model
     from dasktensor.sampling._chains import ChainRunner  # (imports distributed)
 
     runner = ChainRunner(client, every, open_store, breakdown=timing)
-    runner.prepare_workers()  # while PyMC compiles here
+    if _plain(model, compile_kwargs):
+        runner.prepare_workers()  # while PyMC compiles here
     # PyTensor's compilation is not thread-safe (two dt.sample calls in threads, on a
     # cold compile cache: a failed Apply node, or draws off in the 12th digit): one
     # pm.sample prepares (compiles) at a time, the chains of all run at once (_dispatch).
@@ -248,6 +249,22 @@ def _positive(name: str, value):
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise ValueError(f"dt.sample expected {name}= a positive integer or None, got {value!r}")
     return int(value)
+
+
+def _plain(model, compile_kwargs) -> bool:
+    """Whether nothing of the run works on the workers while PyMC compiles here: the
+    default backend, and no dasktensor Op in the log-density (a data shard or a remote
+    model is built on the workers then).  Only then do the workers import PyMC meanwhile,
+    in their event loop: an import there, while a build in a worker thread holds an
+    import lock and waits for that loop, hung a worker."""
+    if (compile_kwargs or {}).get("mode") is not None:
+        return False
+    from pytensor.graph.traversal import ancestors
+
+    return not any(
+        v.owner is not None and type(v.owner.op).__module__.startswith("dasktensor")
+        for v in ancestors([model.logp()])
+    )
 
 
 # ----------------------------------------------------------------------------- the store
