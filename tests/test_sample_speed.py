@@ -90,7 +90,8 @@ def test_time_sized_segments_give_pm_samples_draws(client):
         got = dt.sample(**runs, client=client, compute_convergence_checks=False)
         expected = pm.sample(**runs, **PICKLED, compute_convergence_checks=False)
     assert_same_draws(got, expected)
-    assert last_breakdown().segments > 3 * runs["chains"]
+    # a first segment, one that ends where tuning ends, and at least one after it
+    assert last_breakdown().segments >= 3 * runs["chains"]
 
 
 def test_the_workers_import_pymc_while_the_caller_compiles():
