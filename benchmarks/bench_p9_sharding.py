@@ -182,7 +182,8 @@ def breakdown(label, f, client, q, calls: int) -> dict[str, float]:
     medians = {name: statistics.median(v) for name, v in parts.items()}
     total = statistics.median(d - c for c, _, _, d in trace)
     print(
-        f"\n{label}: one sharded evaluation, median of {len(trace)} back to back ({total * 1e3:.2f} ms)"
+        f"\n{label}: one sharded evaluation, median of {len(trace)} back to back "
+        f"({total * 1e3:.2f} ms)"
     )
     for name, why in STAGES:
         print(f"  {name:<31} {medians[name] * 1e3:7.3f} ms   {why}")

@@ -116,8 +116,11 @@ def test_gpus_chooses_all_a_count_or_ids(gpus, ids):
 
 
 def test_gpus_all_with_no_device_found_says_so_and_how_it_looked():
-    with pytest.raises(NoGPUError, match=r"gpus='all'\) expected GPUs on this machine, found "
-                       r"none \(no nvidia-smi on PATH.*gpus=None starts CPU workers only"):  # fmt: skip
+    expected = (
+        r"gpus='all'\) expected GPUs on this machine, found "
+        r"none \(no nvidia-smi on PATH.*gpus=None starts CPU workers only"
+    )
+    with pytest.raises(NoGPUError, match=expected):
         choose_devices("all", [], "no nvidia-smi on PATH and CUDA_VISIBLE_DEVICES not set")
 
 

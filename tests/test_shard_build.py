@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from _clusters import local_cluster
 from _shard_models import hierarchical, linear_regression
-from distributed import Client
 from test_sharded import MIN_ROWS, assert_same, compiled, points_for, shards_on
 
 from dasktensor.remote._replicas import SEND_AHEAD_BYTES, _sent_ahead

@@ -224,7 +224,7 @@ def call_many(calls: Sequence[tuple]) -> list:
         raise
     replies = []
     try:
-        for spec, replicas, method, args, address, conn, _ in sent:
+        for _, replicas, _, _, address, conn, _ in sent:
             reply = conn
             if not isinstance(conn, BaseException):
                 try:
@@ -246,7 +246,9 @@ def call_many(calls: Sequence[tuple]) -> list:
                 drain(conn, functools.partial(done, address))
         raise
     results, error = [], None
-    for (spec, replicas, method, args, address, _, affinity), reply in zip(sent, replies):
+    for (spec, replicas, method, args, address, _, affinity), reply in zip(
+        sent, replies, strict=True
+    ):
         status = reply[0] if isinstance(reply, tuple) else None
         try:
             if status == "OK":
@@ -284,7 +286,7 @@ def _memory_restart(spec: ModelSpec, address: str, replicas) -> str | None:
     sentence, see ``cluster.memory_restart``); None otherwise, or when the scheduler
     cannot say.  A worker's address is its process's own, so any such event about it is
     about this loss."""
-    from dasktensor.cluster._errors import memory_restart
+    from dasktensor.cluster import memory_restart
 
     try:
         client = spec.client()
@@ -427,7 +429,7 @@ def _send_together(spec: ModelSpec, method, taken: list[_Pending], replicas) -> 
         return
     status = reply[0] if isinstance(reply, tuple) else None
     if status == "many" and len(reply[1]) == len(taken):
-        for p, (outcome, value, *_) in zip(taken, reply[1]):
+        for p, (outcome, value, *_) in zip(taken, reply[1], strict=True):
             if outcome == "OK":
                 p.state, p.value = "OK", value
             else:

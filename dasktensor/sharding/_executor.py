@@ -122,7 +122,7 @@ class ShardServer:
         failure is the first call's to report."""
         axes = self.blocks.axes if self.ranges else None
         block = (
-            [take_rows(r, ax, self.ranges[0]) for r, ax in zip(self.rows, axes)]
+            [take_rows(r, ax, self.ranges[0]) for r, ax in zip(self.rows, axes, strict=True)]
             if axes is not None
             else self.rows
         )
@@ -146,7 +146,7 @@ class ShardServer:
         order.  The calls share the wake-up of this shard and each block of rows while it
         is in the processor's caches.
         """
-        calls = list(zip(*columns)) if columns else [()]
+        calls = list(zip(*columns, strict=True)) if columns else [()]
         self.calls += len(calls)
         self.received += sum(getattr(a, "nbytes", 0) for c in calls for a in c)
         if not self.ranges:
@@ -154,7 +154,7 @@ class ShardServer:
         axes = self.blocks.axes
         per_call: list[list] = [[] for _ in calls]
         for rows in self.ranges:
-            block = [take_rows(r, ax, rows) for r, ax in zip(self.rows, axes)]
+            block = [take_rows(r, ax, rows) for r, ax in zip(self.rows, axes, strict=True)]
             for c, args in enumerate(calls):
                 # np.array: the runner may reuse its output buffers
                 per_call[c].append([np.array(v) for v in self.runner(*block, *args)])
@@ -225,11 +225,14 @@ class Split:
 
     def data_values(self, values) -> list:
         """The data inputs' values in this call (constants: their data)."""
-        return [d.value() if p is None else values[p] for p, d in zip(self.data, self.plan.data)]
+        return [
+            d.value() if p is None else values[p]
+            for p, d in zip(self.data, self.plan.data, strict=True)
+        ]
 
     def fits(self, data) -> bool:
         """Whether data of these shapes is split by this plan."""
-        return all(np.shape(v) == d.shape for v, d in zip(data, self.plan.data))
+        return all(np.shape(v) == d.shape for v, d in zip(data, self.plan.data, strict=True))
 
     def warm_combine(self) -> threading.Thread | None:
         """Run the combine graph once on zeros in a thread, while the shards are built:
@@ -278,7 +281,7 @@ class ShardStages:
         self.models = []
         for i, rows in enumerate(split.plan.slices(k)):
             order = [workers[(i + j) % len(workers)] for j in range(len(workers))]
-            parts = [d.take(v, rows) for d, v in zip(split.plan.data, data)]
+            parts = [d.take(v, rows) for d, v in zip(split.plan.data, data, strict=True)]
             self.models.append(
                 RemoteModel(
                     ShardFactory(split.partial, parts, split.blocks, warm),
@@ -310,7 +313,9 @@ class ShardStages:
 
     def holds(self, data) -> bool:
         """Whether these stages were cut from exactly these data values."""
-        return len(data) == len(self.data) and all(a is b for a, b in zip(data, self.data))
+        return len(data) == len(self.data) and all(
+            a is b for a, b in zip(data, self.data, strict=True)
+        )
 
     def call(self, args: list) -> list:
         """Every shard's partial values for ``args``, from calls sent at once."""
@@ -523,11 +528,11 @@ class ShardedExecutor:
             self.stats["bytes_sent"] += len(per_shard) * sum(getattr(a, "nbytes", 0) for a in args)
             totals = [
                 np.asarray(t, dtype=dtype)
-                for t, dtype in zip(plan.reduce(per_shard), split.total_dtypes)
+                for t, dtype in zip(plan.reduce(per_shard), split.total_dtypes, strict=True)
             ]
             out = split.combine(*rest, *totals)
             truth = out[split.n_out :]
-            if all(np.array_equal(t, g) for t, g in zip(truth, guesses)):
+            if all(np.array_equal(t, g) for t, g in zip(truth, guesses, strict=True)):
                 self.stats["calls"] += 1
                 if self.trace is not None:
                     self.trace.append((called, sent, answered, time.time()))
@@ -545,7 +550,8 @@ class ShardedExecutor:
 def _same(a: tuple, b: tuple) -> bool:
     """Keys are equal: the same objects (data values) or equal shapes (tuples)."""
     return len(a) == len(b) and all(
-        x is y or (type(x) is tuple and type(y) is tuple and x == y) for x, y in zip(a, b)
+        x is y or (type(x) is tuple and type(y) is tuple and x == y)
+        for x, y in zip(a, b, strict=True)
     )
 
 
@@ -567,7 +573,7 @@ class ShardedThunk:
             if output_subset is None:
                 return self.fallback()
             return self.fallback(output_subset=output_subset)
-        for storage, value in zip(self.outputs, out):
+        for storage, value in zip(self.outputs, out, strict=True):
             storage[0] = value
         return out
 
