@@ -190,9 +190,9 @@ def _spawn(variant: str, args, scratch: str) -> dict:
         if f
     )
     env["NUMBA_CACHE_DIR"] = os.path.join(caches, "numba")
-    command = [sys.executable, os.path.abspath(__file__), "--child", variant, "--out", out,
-               "--chains", str(args.chains), "--workers", str(args.workers),
-               "--rows", str(args.rows), "--draws", str(args.draws), "--tune", str(args.tune)]  # fmt: skip
+    command = [sys.executable, os.path.abspath(__file__), "--child", variant, "--out", out]
+    for option in ("chains", "workers", "rows", "draws", "tune"):
+        command += [f"--{option}", str(getattr(args, option))]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"the {variant} process failed:\n{done.stderr[-4000:]}")
@@ -226,8 +226,8 @@ def compare(args) -> list[Row]:
                       f"({record['cold-cpu']:.0f} s CPU), warm {record['warm']:.1f} s "
                       f"({record['warm-cpu']:.0f} s CPU){extra}", flush=True)  # fmt: skip
             for case in COLD_AND_WARM:
-                print(records["dt"][-1][f"{case}-breakdown"]["table"].replace(
-                    "dt.sample:", f"[{NAME}] round {r} dt.sample {case}:"), flush=True)  # fmt: skip
+                table = records["dt"][-1][f"{case}-breakdown"]["table"]
+                print(table.replace("dt.sample:", f"[{NAME}] round {r} dt.sample {case}:"))
         med = {(v, c): statistics.median(x[c] for x in records[v])
                for v in records for c in COLD_AND_WARM}  # fmt: skip
         ratios = {c: [p[c] / d[c] for p, d in zip(records["pm"], records["dt"])]

@@ -12,7 +12,6 @@
 
 from dasktensor.sampling._breakdown import Breakdown as Breakdown
 from dasktensor.sampling._breakdown import last_breakdown as last_breakdown
-
 from dasktensor.sampling._sample import sample as sample
 from dasktensor.sampling._store import StoreMismatchError as StoreMismatchError
 
