@@ -58,6 +58,9 @@ def test_a_large_factory_is_sent_straight_to_its_worker(client):
     assert _sent_ahead(client, small, small.nbytes, workers) == {}
 
 
+# the default-mode function holds the 80,000 rows as constants, which Numba says it cannot
+# cache (a warning of the reference, not of the shards)
+@pytest.mark.filterwarnings("ignore:Cannot cache compiled function:numba.core.errors.NumbaWarning")
 def test_large_shards_equal_the_default_mode_and_survive_a_killed_worker(client):
     f, ref = compiled(linear_regression(BIG), client, block_rows=10_000)
     points = points_for(f, 2)
