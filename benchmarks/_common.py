@@ -324,3 +324,144 @@ def versions_line() -> str:
         f"dask {dask.__version__}, numpy {numpy.__version__}, "
         f"linker {type(__import__('pytensor').compile.mode.get_mode('FAST_RUN').linker).__name__}"
     )
+
+
+# ----------------------------------------------------------------------------- results
+
+#: where ``save_results`` writes: one folder per supported line (``python3.12``, ...)
+RESULTS = os.path.join(HERE, "results")
+#: the 1-minute load average when this module was imported (the benchmark's start)
+_LOAD_AT_START = load_average()
+
+
+def line_name() -> str:
+    """The supported line this interpreter belongs to, by its Python: ``python3.12``."""
+    return f"python{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return None
+
+
+def machine(load_before: float | None = None) -> dict[str, object]:
+    """The machine a benchmark ran on: CPU model, logical cores, memory, OS and kernel,
+    and the 1-minute load average before the benchmark and now (after it)."""
+    import platform
+
+    return {
+        "cpu": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "memory_gib": _memory_gib(),
+        "os": platform.platform(),
+        "kernel": platform.release(),
+        "load_avg_1min_before": round(_LOAD_AT_START if load_before is None else load_before, 2),
+        "load_avg_1min_after": round(load_average(), 2),
+    }
+
+
+def versions() -> dict[str, str]:
+    """Versions of Python and the packages the figures depend on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": sys.version.split()[0]}
+    for package in ("dasktensor", "pymc", "pytensor", "dask", "distributed", "numpy"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:  # pragma: no cover
+            found[package] = "not installed"
+    return found
+
+
+def _options_slug(argv: Sequence[str]) -> str:
+    """File-name part of a run's non-default options: ``--rows 1000`` -> ``rows-1000``."""
+    text = "-".join(a.lstrip("-") for a in argv)
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def result_path(name: str, argv: Sequence[str] = (), line: str | None = None) -> str:
+    """The file of benchmark ``name``'s results on ``line`` (this interpreter's by
+    default): ``results/python3.12/p1-latency.json`` for a run with the default options,
+    ``results/python3.12/p1-latency--rows-1000.json`` for ``--rows 1000``, so that a run
+    with other options never replaces the default run's file, which the docs show."""
+    stem = name + (f"--{_options_slug(argv)}" if argv else "")
+    return os.path.join(RESULTS, line or line_name(), stem + ".json")
+
+
+def save_results(
+    name: str,
+    rows: Sequence[Row],
+    argv: Sequence[str] | None = None,
+    *,
+    command: str | None = None,
+    load_before: float | None = None,
+) -> str | None:
+    """Write a benchmark's rows, the command, the machine and the versions to its result
+    file (:func:`result_path`) and return the file's path.
+
+    ``argv``: the options the benchmark ran with (default: this process's, less
+    ``--no-save``); a run with options is saved apart from the default run.  Nothing is
+    written when the environment variable ``DASKTENSOR_BENCH_NO_SAVE`` is ``1``.
+    """
+    import datetime
+    import json
+
+    if os.environ.get("DASKTENSOR_BENCH_NO_SAVE", "") == "1":
+        return None
+    if argv is None:
+        argv = [a for a in sys.argv[1:] if a != "--no-save"]
+    argv = list(argv)
+    if command is None:
+        script = os.path.relpath(os.path.abspath(sys.argv[0]), os.path.dirname(HERE))
+        command = " ".join(["python", script, *sys.argv[1:]])
+    record = {
+        "benchmark": name,
+        "command": command,
+        "options": argv,
+        "default_options": not argv,
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "line": line_name(),
+        "machine": machine(load_before),
+        "versions": versions(),
+        "rows": [
+            {
+                "benchmark": r.benchmark,
+                "metric": r.metric,
+                "measured": r.measured if r.measured == r.measured else None,  # NaN: null
+                "unit": r.unit,
+                "target": r.target,
+                "higher_is_better": r.higher_is_better,
+                "met": r.met,
+                "measured_text": r.measured_text,
+                "target_text": r.target_text,
+            }
+            for r in rows
+        ],
+    }
+    path = result_path(name, argv)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    print(f"[{name}] results saved to {os.path.relpath(path, os.path.dirname(HERE))}", flush=True)
+    return path

@@ -188,4 +188,6 @@ def main(repeat: int = 11, warmup: int = 4) -> list[Row]:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import save_results
+
+    save_results(NAME, main())  # not saved with DASKTENSOR_BENCH_NO_SAVE=1

@@ -197,4 +197,6 @@ def main(repeat: int = 21, warmup: int = 3) -> list[Row]:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import save_results
+
+    save_results(NAME, main())  # not saved with DASKTENSOR_BENCH_NO_SAVE=1

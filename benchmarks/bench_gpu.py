@@ -244,11 +244,17 @@ def main(width: int | None = None, layers: int = 4, rows: int | None = None,
 
 
 if __name__ == "__main__":
+    from _common import save_results
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rows", type=int, default=None)
     parser.add_argument("--threads", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     a = parser.parse_args()
-    print_rows(main(a.width, a.layers, a.rows, a.threads, a.rounds), title=versions_line())
+    rows = main(a.width, a.layers, a.rows, a.threads, a.rounds)
+    print_rows(rows, title=versions_line())
+    if not a.no_save:
+        save_results(NAME, rows)

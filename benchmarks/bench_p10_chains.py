@@ -404,10 +404,15 @@ if __name__ == "__main__":
     parser.add_argument("--fault", action="store_true", help="also a worker killed mid-run")
     parser.add_argument("--child", choices=["pm", "dt"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     args = parser.parse_args()
     if args.child:
         child(args.child, args.out, args.chains, args.workers, args.rows, args.draws, args.tune)
     else:
-        compare(args)
+        rows = compare(args)
         if args.fault:
-            fault_run()
+            rows += fault_run()
+        if not args.no_save:
+            from _common import save_results
+
+            save_results(NAME, rows)

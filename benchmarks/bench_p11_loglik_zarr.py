@@ -131,8 +131,13 @@ def main(n_obs: int = N_OBS, chunks: int | str = "auto") -> list[Row]:
 
 
 if __name__ == "__main__":
+    from _common import save_results
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--obs", type=int, default=N_OBS, help="observations per draw")
     parser.add_argument("--chunks", default="auto", help="draws per chunk, or 'auto'")
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     args = parser.parse_args()
-    main(n_obs=args.obs, chunks=args.chunks if args.chunks == "auto" else int(args.chunks))
+    rows = main(n_obs=args.obs, chunks=args.chunks if args.chunks == "auto" else int(args.chunks))
+    if not args.no_save:
+        save_results(NAME, rows)

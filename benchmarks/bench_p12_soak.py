@@ -175,8 +175,13 @@ def main(calls: int = 100_000, warmup: int = 100_000) -> list[Row]:
 
 
 if __name__ == "__main__":
+    from _common import save_results
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=100_000, help="calls measured")
     parser.add_argument("--warmup", type=int, default=100_000, help="calls before")
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     args = parser.parse_args()
-    main(args.calls, args.warmup)
+    rows = main(args.calls, args.warmup)
+    if not args.no_save:
+        save_results(NAME, rows)

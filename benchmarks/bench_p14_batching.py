@@ -138,4 +138,6 @@ def main(rounds: int = 3) -> list[Row]:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import save_results
+
+    save_results(NAME, main())  # not saved with DASKTENSOR_BENCH_NO_SAVE=1

@@ -114,10 +114,15 @@ def main(draws: int = 100, tune: int = 100, workers: int = 4, threads: int = 2) 
 
 
 if __name__ == "__main__":
+    from _common import save_results
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=100)
     parser.add_argument("--tune", type=int, default=100)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2, help="threads per worker")
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     args = parser.parse_args()
-    main(draws=args.draws, tune=args.tune, workers=args.workers, threads=args.threads)
+    rows = main(draws=args.draws, tune=args.tune, workers=args.workers, threads=args.threads)
+    if not args.no_save:
+        save_results(NAME, rows)

@@ -191,5 +191,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2, help="worker processes (2)")
     parser.add_argument("--rows", type=int, default=2_000_000, help="rows (2,000,000)")
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     args = parser.parse_args()
-    main(workers=args.workers, rows=args.rows)
+    rows = main(workers=args.workers, rows=args.rows)
+    if not args.no_save:
+        from _common import save_results
+
+        save_results(NAME, rows)

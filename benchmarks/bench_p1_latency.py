@@ -317,6 +317,11 @@ def main(calls: int = 3000) -> list[Row]:
         Row(NAME, "federated connect + first call", fed_first, unit="s"),
         load_row(NAME),
     ]
+    # where a call's time goes (the table printed first), each stage its own row
+    rows += [Row(NAME, f"stage: {k}", v, unit="s") for k, v in stages.items()]
+    rows.append(
+        Row(NAME, "stage: the rest (sockets, wake-ups, framing)", med[ours] - python, unit="s")
+    )
     if zmq_echo is not None:
         rows.insert(
             6, Row(NAME, "pyzmq echo / raw echo (median)", med["pyzmq REQ/REP echo"] / med[echo])
@@ -326,4 +331,6 @@ def main(calls: int = 3000) -> list[Row]:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import save_results
+
+    save_results(NAME, main())  # not saved with DASKTENSOR_BENCH_NO_SAVE=1

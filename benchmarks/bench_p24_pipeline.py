@@ -323,4 +323,6 @@ def main() -> list[Row]:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import save_results
+
+    save_results(NAME, main())  # not saved with DASKTENSOR_BENCH_NO_SAVE=1

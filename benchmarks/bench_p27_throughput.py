@@ -473,10 +473,15 @@ def main(
 if __name__ == "__main__":
     import argparse
 
+    from _common import save_results
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="run the GPU variant (JAX MLP)")
     parser.add_argument("--width", type=int, help="MLP width (8192 on a GPU, 256 on CPU)")
     parser.add_argument("--layers", type=int, default=4, help="MLP layers (4)")
     parser.add_argument("--threads", type=int, default=64, help="GPU variant's callers (64)")
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     args = parser.parse_args()
-    main(True if args.gpu else None, args.width, args.layers, args.threads)
+    rows = main(True if args.gpu else None, args.width, args.layers, args.threads)
+    if not args.no_save:
+        save_results(NAME, rows)

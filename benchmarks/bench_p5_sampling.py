@@ -142,9 +142,14 @@ def main(chains: int = 1, draws: int = 150, tune: int = 150) -> list[Row]:
 
 
 if __name__ == "__main__":
+    from _common import save_results
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chains", type=int, default=1)
     parser.add_argument("--draws", type=int, default=150)
     parser.add_argument("--tune", type=int, default=150)
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     args = parser.parse_args()
-    main(args.chains, args.draws, args.tune)
+    rows = main(args.chains, args.draws, args.tune)
+    if not args.no_save:
+        save_results(NAME, rows)

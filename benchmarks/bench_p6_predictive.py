@@ -309,9 +309,14 @@ def main(repeat: int = 11, large: bool = True, large_repeat: int = 5) -> list[Ro
 
 
 if __name__ == "__main__":
+    from _common import save_results
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small-only", action="store_true", help="skip the 100x larger job")
     parser.add_argument("--repeat", type=int, default=11)
     parser.add_argument("--large-repeat", type=int, default=5)
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     args = parser.parse_args()
-    main(repeat=args.repeat, large=not args.small_only, large_repeat=args.large_repeat)
+    rows = main(repeat=args.repeat, large=not args.small_only, large_repeat=args.large_repeat)
+    if not args.no_save:
+        save_results(NAME, rows)

@@ -218,10 +218,15 @@ def main(
 
 
 if __name__ == "__main__":
+    from _common import save_results
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=N, help="elements")
     parser.add_argument("--steps", type=int, default=STEPS, help="matrix products per element")
     parser.add_argument("--chunks", type=int, default=CHUNKS, help="number of chunks")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     args = parser.parse_args()
-    main(n=args.n, steps=args.steps, chunks=args.chunks, repeat=args.repeat)
+    rows = main(n=args.n, steps=args.steps, chunks=args.chunks, repeat=args.repeat)
+    if not args.no_save:
+        save_results(NAME, rows)

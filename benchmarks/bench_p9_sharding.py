@@ -354,6 +354,8 @@ def main(
 
 
 if __name__ == "__main__":
+    from _common import save_results
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sample", action="store_true", help="skip pm.sample")
     parser.add_argument("--draws", type=int, default=300)
@@ -362,11 +364,14 @@ if __name__ == "__main__":
     parser.add_argument(
         "--rows", type=int, default=2_000_000, help="rows of linreg (2,000,000; hier-logit: half)"
     )
+    parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     args = parser.parse_args()
-    main(
+    rows = main(
         sample=not args.no_sample,
         draws=args.draws,
         tune=args.tune,
         workers=args.workers,
         rows=args.rows,
     )
+    if not args.no_save:
+        save_results(NAME, rows)

@@ -5,6 +5,11 @@ benchmarks/run_all.py a p1``).  Each benchmark prints its own details first; the
 at the end has one row per metric: benchmark, metric, measured, target, met?.  Timings
 on a small shared machine are noisy: read them with the load-average rows and the
 raw-Dask floors printed beside them.
+
+Each benchmark that completes writes its rows to its result file (``save_results`` in
+``_common.py``: ``benchmarks/results/python3.X/<name>.json``, the file the documentation's
+tables are made from), as it does when run alone with its default options; ``--no-save``
+(or ``DASKTENSOR_BENCH_NO_SAVE=1``) writes nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Row, print_rows, quiet, versions_line
+from _common import Row, load_average, print_rows, quiet, save_results, versions_line
 
 BENCHMARKS = {
     "a": "bench_a_overhead",
@@ -45,20 +50,28 @@ BENCHMARKS = {
 }
 
 
-def main(names: list[str] | None = None) -> list[Row]:
+def main(names: list[str] | None = None, save: bool = False) -> list[Row]:
+    """Run the benchmarks ``names`` (all by default) with their default options; with
+    ``save``, write each one's rows to its result file as soon as it completes."""
     import importlib
 
     quiet()
     rows: list[Row] = []
+    command = " ".join(["python", "benchmarks/run_all.py", *(names or [])])
     for key in names or list(BENCHMARKS):
         module = importlib.import_module(BENCHMARKS[key])
         print(f"\n{'=' * 30} {BENCHMARKS[key]} {'=' * 30}", flush=True)
         t0 = time.perf_counter()
+        load_before = load_average()
         try:
-            rows += module.main()
+            done = module.main()
         except Exception:  # report and go on with the other benchmarks
             traceback.print_exc()
             rows.append(Row(module.NAME, "FAILED (see traceback)", float("nan"), 0))
+        else:
+            rows += done
+            if save:  # a failed benchmark keeps its earlier file
+                save_results(module.NAME, done, [], command=command, load_before=load_before)
         print(f"[{module.NAME}] ran in {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"\n{versions_line()}")
     print_rows(rows, title="ALL BENCHMARKS")
@@ -66,4 +79,5 @@ def main(names: list[str] | None = None) -> list[Row]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or None)
+    args = [a for a in sys.argv[1:] if a != "--no-save"]
+    main(args or None, save="--no-save" not in sys.argv[1:])
