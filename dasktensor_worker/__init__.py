@@ -22,6 +22,9 @@ Modules:
 * :mod:`dasktensor_worker.tasks`: the functions the caller ships to the cluster (the build
   task, and the ``client.run`` / ``run_on_scheduler`` helpers);
 * :mod:`dasktensor_worker.calllog`: each worker's log of the calls it answered;
+* :mod:`dasktensor_worker.devices`: the GPUs a process sees (``CUDA_VISIBLE_DEVICES``,
+  ``nvidia-smi``) and the short label of a worker's device (``"GPU 0 (NAME)"``,
+  ``"cpu"``) that the calls page and a function's plan show;
 * :mod:`dasktensor_worker.monitor`: the scheduler's channel monitor, which gathers the
   call logs for the dashboard page, the Prometheus metrics and ``dt.Adaptive``;
 * :mod:`dasktensor_worker.pages`: ``CallsPage``, the scheduler plugin a client registers

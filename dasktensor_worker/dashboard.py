@@ -6,9 +6,10 @@ individual plots, fed by the scheduler's :class:`~dasktensor_worker.monitor.Chan
 
 * a stream of the calls per worker over the last 30 s: a time axis, a bar per call or batch
   (as long as it took, in its model's colour, red if it raised), and on hover its model,
-  method, duration, batch size and worker;
+  method, duration, batch size, worker and device;
 * a table per model: calls, errors, calls in flight, mean time per call or batch, p99
-  time, replicas and mean batch size.
+  time, replicas, mean batch size, and where the replicas are: each one's worker and
+  device (``tcp://10.0.0.5:40431: GPU 0 (NVIDIA H200)``, ``...: cpu``).
 
 It is listed in ``/individual-plots.json``, so the dashboard's "More..." menu and
 dask-labextension offer it as "Dasktensor Calls".  ``/dasktensor/calls`` redirects to it.
@@ -70,7 +71,8 @@ class CallsView:
         self.colours: dict[str, str] = {}
         self._shown = ""  # the table's rows, as shown
         self.calls = ColumnDataSource(
-            {k: [] for k in ("x", "width", "worker", "colour", "model", "method", "ms", "size")}
+            {k: [] for k in ("x", "width", "worker", "device", "colour", "model", "method")}
+            | {"ms": [], "size": []}
         )
         self.figure = figure(
             title="Calls through the channel (remote models, resident stages, shards)",
@@ -106,6 +108,7 @@ class CallsView:
                     ("time", "@ms{0.00} ms"),
                     ("calls in it", "@size"),
                     ("worker", "@worker"),
+                    ("device", "@device"),
                 ],
             )
         )
@@ -127,6 +130,7 @@ class CallsView:
                     "p99",
                     "replicas",
                     "batch",
+                    "where",
                 )
             }
         )
@@ -148,6 +152,7 @@ class CallsView:
                 TableColumn(field="p99", title="p99 (ms)", formatter=ms),
                 TableColumn(field="replicas", title="replicas"),
                 TableColumn(field="batch", title="mean batch", formatter=ms),
+                TableColumn(field="where", title="replicas on (worker: device)", width=400),
             ],
             index_position=None,
             height=200,
@@ -174,6 +179,7 @@ class CallsView:
                 rows["x"].append((start + stop) / 2 * 1000)
                 rows["width"].append((stop - start) * 1000)
                 rows["worker"].append(worker)
+                rows["device"].append(monitor.device(worker))
                 rows["colour"].append(self.colour(name, status))
                 rows["model"].append(name if status == "OK" else f"{name} (raised)")
                 rows["method"].append(method)
@@ -197,6 +203,7 @@ class CallsView:
             "p99": [_ms(models[n]["p99"] or 0.0, 1 if models[n]["p99"] else 0) for n in names],
             "replicas": [models[n]["replicas"] for n in names],
             "batch": [_ratio(models[n]["calls"], models[n]["evaluations"]) for n in names],
+            "where": [_where(models[n]["devices"]) for n in names],
         }
         if repr(rows) != self._shown:  # (repr: NaN equals itself there)
             self._shown = repr(rows)
@@ -214,6 +221,16 @@ class CallsView:
 
 def _ms(seconds: float, n: int) -> float:
     return float("nan") if not n else 1000 * seconds / n
+
+
+def _where(devices: dict) -> str:
+    """``"tcp://...:40431: GPU 0 (NVIDIA H200); tcp://...:40432: cpu"``: a model's
+    replicas, by worker, with the device each runs on.
+
+    >>> _where({"tcp://b:2": "cpu", "tcp://a:1": "GPU 0 (H200)"})
+    'tcp://a:1: GPU 0 (H200); tcp://b:2: cpu'
+    """
+    return "; ".join(f"{w}: {d}" for w, d in sorted(devices.items()))
 
 
 def _ratio(calls: int, evaluations: int) -> float:

@@ -7,8 +7,9 @@ call servers, not through the scheduler, so Dask's own tools (the task stream, t
 once a second what happened (the ``dasktensor_call_log`` worker handler) and keeps:
 
 * each worker's totals: calls and errors per model and method, a histogram of call
-  durations per model, the calls in flight (running or waiting for a slot), and the
-  replicas it holds with their ``concurrency``;
+  durations per model, the calls in flight (running or waiting for a slot), the
+  replicas it holds with their ``concurrency``, and the device they run on (``"GPU 0
+  (NAME)"`` or ``"cpu"``, :mod:`dasktensor_worker.devices`);
 * while the dashboard's page is open, the calls themselves (one record per call or
   batch), for its task-stream-like plot (:mod:`dasktensor_worker.dashboard`);
 * the last few seconds of calls in flight and of evaluations per model, from which the
@@ -241,10 +242,11 @@ class ChannelMonitor(SchedulerPlugin):
         """Per model, over all workers: ``calls``, ``errors``, ``seconds`` (of calls or
         batches), ``evaluations`` (calls alone and batches), ``inflight``,
         ``replicas``, ``concurrency`` (of all replicas), ``scalable``, ``workers``
-        (holding a replica), ``durations`` (the histogram: cumulative counts per bound of
-        ``BUCKETS``, all calls, the sum of durations), ``batch`` (mean calls per
-        evaluation over the last window that had any; None before) and ``p99`` (seconds, from the
-        histogram)."""
+        (holding a replica), ``devices`` (``{worker: "GPU 0 (NAME)" or "cpu"}`` of those
+        workers; ``"?"`` for one that did not say), ``durations`` (the histogram:
+        cumulative counts per bound of ``BUCKETS``, all calls, the sum of durations),
+        ``batch`` (mean calls per evaluation over the last window that had any; None
+        before) and ``p99`` (seconds, from the histogram)."""
         with self._lock:
             replies = dict(self.replies)
             batch = dict(self.batch)
@@ -263,6 +265,7 @@ class ChannelMonitor(SchedulerPlugin):
                     "concurrency": 0,
                     "scalable": False,
                     "workers": [],
+                    "devices": {},
                     "durations": [0] * (len(BUCKETS) + 1) + [0.0],
                 },
             )
@@ -282,6 +285,7 @@ class ChannelMonitor(SchedulerPlugin):
                 e["concurrency"] += info["concurrency"]
                 e["scalable"] = e["scalable"] or info["scalable"]
                 e["workers"].append(address)
+                e["devices"][address] = reply.get("device") or "?"
             for name, counts in reply.get("durations", {}).items():
                 e = entry(name)
                 # (a worker of another version may count other buckets: the common ones)
@@ -290,6 +294,12 @@ class ChannelMonitor(SchedulerPlugin):
             e["batch"] = batch.get(name)
             e["p99"] = quantile(0.99, e["durations"])
         return found
+
+    def device(self, worker: str) -> str:
+        """The device of ``worker``'s replicas as it last said (``"GPU 0 (NAME)"``,
+        ``"cpu"``), or ``"?"`` before it said (no model built there yet)."""
+        with self._lock:
+            return self.replies.get(worker, {}).get("device") or "?"
 
     def busiest(self) -> dict[str, int]:
         """Per model, the most calls in flight at one look during the window."""

@@ -52,6 +52,7 @@ from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
 
 from dasktensor_worker.calllog import LOG_HANDLER, CallLog
+from dasktensor_worker.devices import this_device
 from dasktensor_worker.replica import Replica
 from dasktensor_worker.wire import WireServer, error_reply
 
@@ -90,6 +91,10 @@ class ModelHost(WorkerPlugin):
         self.server: WireServer | None = None
         #: the calls this worker answered, for the dashboard (``dasktensor_worker.calllog``)
         self.calls = CallLog()
+        #: what this worker runs on, ``"GPU 0 (NAME)"`` or ``"cpu"``
+        #: (``dasktensor_worker.devices``): found by the first build, off the event loop
+        #: (nvidia-smi takes tens of milliseconds), and sent with the call log
+        self.device: str | None = None
 
     def __reduce__(self):  # travels (to register_plugin's workers) as a new, empty host
         return (type(self), ())
@@ -156,6 +161,8 @@ class ModelHost(WorkerPlugin):
         keep it while task ``lease`` exists (None: until released).  ``scalable``: the
         model has a replica on every worker that can hold one.  Whether this call built
         it."""
+        if self.device is None:  # (once a worker: the build task's thread, not a call's)
+            self.device = this_device()
         with self.lock:  # one build per key, however many tasks ask at once
             if key in self.replicas:
                 if lease is not None:  # a creator's build, after another process's
@@ -263,9 +270,10 @@ class ModelHost(WorkerPlugin):
 
     async def call_log(self, since: float = 0.0) -> dict:
         """The ``dasktensor_call_log`` handler: the call log since ``since`` (see
-        :meth:`CallLog.since`), and the models held here: ``{name: {"replicas": n,
+        :meth:`CallLog.since`), the models held here: ``{name: {"replicas": n,
         "concurrency": c, "scalable": bool}}`` (what the dashboard, the metrics and
-        ``dt.Adaptive`` read)."""
+        ``dt.Adaptive`` read), and the ``device`` the replicas run on (``"GPU 0
+        (NAME)"``, ``"cpu"``; None before the first build)."""
         found = self.calls.since(float(since))
         models: dict = {}
         for replica in list(self.replicas.values()):
@@ -276,6 +284,7 @@ class ModelHost(WorkerPlugin):
             info["concurrency"] += replica.concurrency
             info["scalable"] = info["scalable"] or getattr(replica, "scalable", True)
         found["models"] = models
+        found["device"] = self.device
         return found
 
     def _batch_recorder(self, name: str):

@@ -94,7 +94,7 @@ def test_without_nvidia_smi_cuda_visible_devices_alone_names_the_devices(no_gpu)
 
 
 def test_mig_lines_of_nvidia_smi_are_not_devices_of_their_own(fake_smi, monkeypatch):
-    from dasktensor.cluster._gpus import _listed
+    from dasktensor_worker.devices import _listed
 
     for k, v in environ(fake_smi, ["Fake MIG-capable"]).items():
         monkeypatch.setenv(k, v)
@@ -398,6 +398,92 @@ def test_a_remote_model_asking_for_a_gpu_is_built_and_called_on_gpu_workers(gpu_
         assert {names[a] for a in model.workers()} == {"gpu-0", "gpu-1"}
     finally:
         model.close()
+
+
+def _calls_page(dask_scheduler):
+    """What the dashboard's calls page shows now (its Bokeh view, made on the scheduler
+    from the channel monitor, as the page makes it): the table's rows and the calls
+    plotted, by column."""
+    from dasktensor_worker.dashboard import CallsView
+    from dasktensor_worker.monitor import monitor_of
+
+    view = CallsView(monitor_of(dask_scheduler))
+    view.update()  # (and the monitor fetches the calls themselves from now on)
+    return {"table": dict(view.models.data), "calls": dict(view.calls.data)}
+
+
+def test_the_calls_page_shows_each_replicas_device_beside_its_worker(gpu_client):
+    seen = {str(w.name): w.address for w in dt.info(gpu_client).workers}
+    on_gpu = dt.RemoteModel(DeviceModel, name="page-gpu", resources={"GPU": 1},
+                            scheduler=gpu_client)  # fmt: skip
+    on_cpu = dt.RemoteModel(DeviceModel, name="page-cpu", workers=["0"], replicas=1,
+                            allow_other_workers=False, scheduler=gpu_client)  # fmt: skip
+    try:
+        gpu_client.run_on_scheduler(_calls_page)  # the page is open: calls are fetched
+        for _ in range(4):
+            on_gpu.call("where")
+            on_cpu.call("where")
+        expected = {
+            "page-gpu": "; ".join(
+                f"{seen[f'gpu-{d}']}: GPU {d} (Fake A100 80GB)"
+                for d in sorted(("0", "1"), key=lambda d: seen[f"gpu-{d}"])
+            ),
+            "page-cpu": f"{seen['0']}: cpu",
+        }
+
+        def shown():
+            page = gpu_client.run_on_scheduler(_calls_page)
+            where = dict(zip(page["table"]["model"], page["table"]["where"], strict=True))
+            plotted = {m for m in page["calls"]["model"] if m.startswith("page-")}
+            done = all(where.get(m) == w for m, w in expected.items())
+            return page if done and plotted == set(expected) else None
+
+        page = eventually(shown, 20)
+        table = gpu_client.run_on_scheduler(_calls_page)["table"]
+        assert page, (expected, dict(zip(table["model"], table["where"], strict=True)))
+        # each call plotted says its worker's device (on hover)
+        calls = page["calls"]
+        by_model: dict[str, set] = {}
+        for model, worker, device in zip(calls["model"], calls["worker"], calls["device"],
+                                         strict=True):  # fmt: skip
+            by_model.setdefault(model, set()).add((worker, device))
+        gpus = {(seen[f"gpu-{d}"], f"GPU {d} (Fake A100 80GB)") for d in ("0", "1")}
+        assert by_model["page-gpu"] and by_model["page-gpu"] <= gpus
+        assert by_model["page-cpu"] == {(seen["0"], "cpu")}
+    finally:
+        on_gpu.close()
+        on_cpu.close()
+
+
+def test_the_plan_says_which_worker_and_device_each_placed_block_ran_on(gpu_client):
+    x = pt.dvector("x")
+    with dt.annotate(resources={"GPU": 1}, name="plan-gpu"):
+        y = pt.tanh(pt.outer(x, x)).sum(axis=0)
+    with dt.annotate(resources={"MEM": 1}, workers=["0"], allow_other_workers=False,
+                     name="plan-cpu"):  # fmt: skip
+        z = pt.exp(pt.outer(x, x)).sum(axis=1)
+    out = (y**2).sum() + z.sum()
+    f = dt.function([x], out, scheduler=gpu_client)
+    assert "ran on" not in str(f.plan)  # not called yet
+    xv = np.linspace(-1, 1, 5)
+    assert f(xv) == pytest.approx(pytensor.function([x], out)(xv), rel=1e-12)
+    seen = {str(w.name): w.address for w in dt.info(gpu_client).workers}
+    lines = str(f.plan).splitlines()
+
+    def ran(block: str) -> str:
+        at = next(i for i, line in enumerate(lines) if f"] {block} " in line)
+        assert lines[at + 1].startswith("        ran on: "), lines
+        return lines[at + 1].removeprefix("        ran on: ")
+
+    gpu = ran("plan-gpu").split("; ")
+    assert gpu and set(gpu) <= {
+        f"gpu-{d} ({seen[f'gpu-{d}']}): GPU {d} (Fake A100 80GB)" for d in ("0", "1")
+    }, gpu
+    assert ran("plan-cpu") == f"0 ({seen['0']}): cpu"
+    # the same in Jupyter's table, and on the boxes' tooltips
+    page = f.plan._repr_html_()
+    assert "ran on (worker: device)" in page and "GPU" in page
+    assert f"ran on: {gpu[0]}" in f.plan._repr_svg_()
 
 
 def test_dasktensor_info_shows_the_gpus_each_worker_sees(gpu_client, capsys):

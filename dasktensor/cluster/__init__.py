@@ -23,7 +23,8 @@ Everything in dasktensor that talks to a distributed cluster goes through here: 
   hard dependency (``CUDA_VISIBLE_DEVICES``, ``nvidia-smi``), choosing them
   (``dt.connect(gpus=...)``, ``dasktensor worker --gpus``), a GPU worker's options (its
   device alone visible, ``GPU=1``, memory settings for a GPU stack), and ``dt.info()``:
-  the workers and the devices each one sees.
+  the workers and the devices each one sees; :func:`worker_devices`: the short label of
+  each worker's device, which a function's plan shows for the blocks that ran there.
 * **Errors** (``_errors.py``).  :class:`SchedulerLostError`, and how a lost scheduler is
   recognised.
 * **The channel on Dask's tools** (``_dashboard.py``, ``_adaptive.py``).
@@ -55,6 +56,7 @@ from dasktensor.cluster._gpus import cpu_worker_env as cpu_worker_env
 from dasktensor.cluster._gpus import find_devices as find_devices
 from dasktensor.cluster._gpus import gpu_worker_options as gpu_worker_options
 from dasktensor.cluster._gpus import parse_gpus as parse_gpus
+from dasktensor.cluster._gpus import worker_devices as worker_devices
 from dasktensor.cluster._info import ClusterInfo as ClusterInfo
 from dasktensor.cluster._info import WorkerInfo as WorkerInfo
 from dasktensor.cluster._info import info as info
@@ -97,4 +99,5 @@ __all__ = [
     "show_calls_page",
     "submit",
     "task_slot_released",
+    "worker_devices",
 ]

@@ -68,10 +68,11 @@ def calls_link(client) -> str | None:
 
     Remote-model calls, resident stages and shards skip the scheduler, so Dask's task
     stream does not show them; this page does: a bar per call or batch on each worker
-    (hover for model, method, time, batch size), and per model the calls, errors, calls
-    in flight, mean and p99 time, replicas and mean batch size.  It is listed in the
-    dashboard's "More..." menu as "Dasktensor Calls"; ``dt.connect()`` adds it (so does
-    the first use of a remote model).
+    (hover for model, method, time, batch size, worker and its device), and per model
+    the calls, errors, calls in flight, mean and p99 time, replicas, mean batch size and
+    the replicas' workers with their devices (``GPU 0 (NAME)`` or ``cpu``).  It is
+    listed in the dashboard's "More..." menu as "Dasktensor Calls"; ``dt.connect()``
+    adds it (so does the first use of a remote model).
 
     Examples
     --------

@@ -6,11 +6,12 @@ memory settings made for a GPU stack.  ``dt.connect(gpus=...)`` starts such work
 CPU workers that see no device (``CUDA_VISIBLE_DEVICES=""``); ``dasktensor worker ADDRESS
 --gpus all`` starts them on a GPU host of a running cluster.
 
-* **Finding devices** (:func:`find_devices`), without a hard dependency: the entries of
-  ``CUDA_VISIBLE_DEVICES`` when it is set (what CUDA would show this process), else the
-  lines of ``nvidia-smi -L``; names and memory come from ``nvidia-smi --query-gpu`` when
-  it answers.  Device ids are nvidia-smi's indices (PCI bus order: GPU workers get
-  ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that CUDA counts the same way) or UUIDs.
+* **Finding devices** (:func:`find_devices`, from :mod:`dasktensor_worker.devices`, where
+  a worker finds its own without importing dasktensor), without a hard dependency: the
+  entries of ``CUDA_VISIBLE_DEVICES`` when it is set (what CUDA would show this process),
+  else the lines of ``nvidia-smi -L``; names and memory come from ``nvidia-smi
+  --query-gpu`` when it answers.  Device ids are nvidia-smi's indices (PCI bus order: GPU
+  workers get ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so that CUDA counts the same way) or UUIDs.
 * **Choosing** (:func:`choose_devices`): ``"all"``, a count, or a list of ids, checked
   against what was found, with errors naming what was expected and what was given.
 * **Starting** (:func:`gpu_worker_options`, :func:`cpu_worker_env`): a GPU worker's
@@ -24,18 +25,21 @@ CPU workers that see no device (``CUDA_VISIBLE_DEVICES=""``); ``dasktensor worke
   the environment of the process starting the workers is left as it is.
 * **What a worker sees** (:func:`worker_view`, run on each worker by ``dt.info()``): its
   ``CUDA_VISIBLE_DEVICES``, the devices it can use (name, memory total and used) and the
-  memory variables it was started with.
+  memory variables it was started with; :func:`worker_devices`: the short label of each
+  worker's device (``"GPU 0 (NVIDIA H200)"``, ``"cpu"``), what a function's plan says of
+  where its blocks ran.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from dasktensor import _config
+from dasktensor.cluster._workers import run_on_workers
+from dasktensor_worker.devices import Device as Device
+from dasktensor_worker.devices import find_devices as find_devices
 
 #: the variables a GPU worker's memory settings become, by setting
 MEMORY_VARIABLES = {
@@ -46,153 +50,9 @@ MEMORY_VARIABLES = {
 #: what ``dt.info()`` reports of each worker's environment
 SHOWN_VARIABLES = ("CUDA_VISIBLE_DEVICES", *MEMORY_VARIABLES.values())
 
-_SMI_TIMEOUT_S = 15
-_LIST_LINE = re.compile(r"^GPU (\d+): (.*?)(?: \(UUID: ([^)]+)\))?\s*$")
-
 
 class NoGPUError(ValueError):
     """GPU workers were asked for and no such device was found on this machine."""
-
-
-@dataclass(frozen=True)
-class Device:
-    """One GPU as this machine lists it.
-
-    ``id`` is what ``CUDA_VISIBLE_DEVICES`` names it by (an index such as ``"0"``, or a
-    UUID); ``memory_total`` and ``memory_used`` are bytes, None when nvidia-smi did not
-    say.
-    """
-
-    id: str
-    name: str = ""
-    index: int | None = None
-    uuid: str | None = None
-    memory_total: int | None = None
-    memory_used: int | None = None
-
-    def matches(self, wanted: str) -> bool:
-        """Whether ``wanted`` (an index or a UUID, or a UUID's prefix) names this device."""
-        wanted = str(wanted).strip()
-        if wanted == self.id or (self.index is not None and wanted == str(self.index)):
-            return True
-        return bool(self.uuid and len(wanted) > 4 and self.uuid.startswith(wanted))
-
-    def describe(self) -> str:
-        """``"0: NVIDIA H200, 1.2 GiB of 140 GiB used"``: what ``dasktensor info`` shows."""
-        from dask.utils import format_bytes
-
-        text = f"{self.id}: {self.name or 'GPU'}"
-        if self.memory_total is not None:
-            used = format_bytes(self.memory_used) if self.memory_used is not None else "?"
-            text += f", {used} of {format_bytes(self.memory_total)} used"
-        return text
-
-
-def _nvidia_smi(*args: str) -> str | None:
-    """The output of ``nvidia-smi ARGS``, or None when it is not on PATH or fails."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        done = subprocess.run(
-            [exe, *args], capture_output=True, text=True, timeout=_SMI_TIMEOUT_S, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
-
-
-def _listed() -> list[Device]:
-    """The devices of ``nvidia-smi -L`` (``GPU 0: NAME (UUID: GPU-...)`` lines; MIG
-    instances, indented below their GPU, are not listed as devices of their own)."""
-    out = _nvidia_smi("-L")
-    devices = []
-    for line in (out or "").splitlines():
-        m = _LIST_LINE.match(line.strip()) if not line.startswith((" ", "\t")) else None
-        if m:
-            index, name, uuid = m.groups()
-            devices.append(Device(id=index, name=name, index=int(index), uuid=uuid))
-    return devices
-
-
-def _queried() -> list[Device]:
-    """The devices of ``nvidia-smi --query-gpu`` with their memory (MiB there)."""
-    out = _nvidia_smi(
-        "--query-gpu=index,uuid,name,memory.total,memory.used",
-        "--format=csv,noheader,nounits",
-    )
-    devices = []
-    for line in (out or "").splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 5 or not parts[0].isdigit():
-            continue
-        index, uuid, name, total, used = parts
-        mib = [int(float(v)) * 2**20 if _number(v) else None for v in (total, used)]
-        devices.append(
-            Device(
-                id=index,
-                name=name,
-                index=int(index),
-                uuid=uuid or None,
-                memory_total=mib[0],
-                memory_used=mib[1],
-            )
-        )
-    return devices
-
-
-def _number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _visible_entries(value: str) -> list[str]:
-    return [e.strip() for e in value.split(",") if e.strip()]
-
-
-def find_devices(environ=None) -> tuple[list[Device], str]:
-    """The GPUs this machine offers this process, and how they were found.
-
-    Parameters
-    ----------
-    environ : mapping, optional
-        The environment to read ``CUDA_VISIBLE_DEVICES`` from (``os.environ``).
-
-    Returns
-    -------
-    devices : list of Device
-        In the order CUDA_VISIBLE_DEVICES or nvidia-smi lists them; empty when none.
-    how : str
-        Where they came from, or why none was found (for error messages).
-
-    Examples
-    --------
-    >>> from dasktensor.cluster import find_devices
-    >>> devices, how = find_devices({"CUDA_VISIBLE_DEVICES": ""})
-    >>> devices, how
-    ([], 'CUDA_VISIBLE_DEVICES is set and empty')
-    """
-    environ = os.environ if environ is None else environ
-    detailed = _queried()
-    listed = detailed or _listed()
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        entries = _visible_entries(visible)
-        if not entries:
-            return [], "CUDA_VISIBLE_DEVICES is set and empty"
-        devices = []
-        for entry in entries:
-            known = next((d for d in listed if d.matches(entry)), None)
-            devices.append(Device(**{**asdict(known), "id": entry}) if known else Device(id=entry))
-        return devices, f"CUDA_VISIBLE_DEVICES={visible}"
-    if listed:
-        return listed, "nvidia-smi"
-    if shutil.which("nvidia-smi") is None:
-        return [], "no nvidia-smi on PATH and CUDA_VISIBLE_DEVICES not set"
-    return [], "nvidia-smi -L listed no GPU"
 
 
 def choose_devices(
@@ -394,3 +254,29 @@ def worker_view(dask_worker=None) -> dict:
         "holds": sorted(set(held["models"].values())),
         "calls": {name: int(c[0]) for name, c in held["calls"].items()},
     }
+
+
+def worker_devices(client, addresses) -> dict[str, str]:
+    """The device label of each worker of ``addresses``: ``"GPU 0 (NVIDIA H200)"``, or
+    ``"cpu"`` for a worker that sees no device (see
+    :func:`dasktensor_worker.devices.device_label`).
+
+    Each worker finds its label once (``nvidia-smi``) and keeps it; a worker that is gone
+    or does not answer is left out.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        The cluster's client.
+    addresses : iterable of str
+        Worker addresses.
+
+    Returns
+    -------
+    dict
+        ``{address: label}``.
+    """
+    from dasktensor_worker.devices import worker_device
+
+    found = run_on_workers(client, worker_device, workers=list(addresses))
+    return {a: label for a, label in found.items() if isinstance(label, str)}
