@@ -207,12 +207,13 @@ def plan_svg(plan) -> str:
                 f'd="{lay.edge_path(d, t.index)}" fill="none" stroke="#777" stroke-width="1.4"/>'
                 f'<path class="arrow" d="M{tx:g},{ty:g} l-7,-4 l0,8 z" fill="#777"/>'
             )
-    out.extend(_box(t, lay) for t in plan.tasks)
+    ran = getattr(plan, "ran", None) or {}
+    out.extend(_box(t, lay, ran.get(t.index, ())) for t in plan.tasks)
     out.append("</svg>")
     return "\n".join(out)
 
 
-def _box(task, lay: _Layout) -> str:
+def _box(task, lay: _Layout, ran: tuple[str, ...] = ()) -> str:
     x, y = lay.corners[task.index]
     colour = _colour(task)
     fill, stroke = COLOURS.get(colour, ("#eeeeee", "#888888"))
@@ -220,6 +221,8 @@ def _box(task, lay: _Layout) -> str:
     tip = f"[{task.index}] {task.name}: {task.reason}\n" + ", ".join(
         f"{k} x{v}" if v > 1 else k for k, v in ops.most_common(6)
     )
+    if ran:  # where it ran, once called on a cluster: workers and their devices
+        tip += "\nran on: " + "; ".join(ran)
     texts = [
         f'<text x="{x + _PAD:g}" y="{y + _PAD + 11 + n * _LINE:g}" '
         + ('fill="#111" font-weight="bold">' if n == 0 else 'fill="#444" font-size="11">')
@@ -238,8 +241,9 @@ def plan_html(plan, inline: bool = False) -> str:
     """The plan for Jupyter: the picture of :func:`plan_svg`, and its tasks as a table.
 
     The table, folded under the picture, holds what ``print(plan)`` prints: each task's
-    name, kind, where it runs, nodes, dependencies, reason and placement, and whether the
-    function is split into data shards.
+    name, kind, where it runs, nodes, dependencies, reason and placement (and, once the
+    function was called on a cluster, the workers each cluster task ran on with their
+    devices), and whether the function is split into data shards.
 
     The picture is an ``<img>`` of the SVG (a ``data:`` URI): JupyterLab sanitizes the HTML
     outputs of a notebook it does not trust (any notebook opened from a fresh clone) and
@@ -270,6 +274,11 @@ def plan_html(plan, inline: bool = False) -> str:
         for t in plan.tasks
     ]
     head = ["#", "task", "kind", "runs", "nodes", "deps", "reason", "placement"]
+    ran = getattr(plan, "ran", None) or {}
+    if ran:
+        head.append("ran on (worker: device)")
+        for t, row in zip(plan.tasks, rows, strict=True):
+            row.append("; ".join(ran.get(t.index, ())) or "-")
     notes = "".join(f"<p>{escape(line)}</p>" for line in (plan.sharding or "").splitlines())
     svg = plan_svg(plan)
     if not inline:

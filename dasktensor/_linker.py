@@ -140,6 +140,16 @@ class DaskLinker(type(_BACKEND_LINKER)):  # type: ignore[misc]
         thunk, inputs, outputs = made
         return ShardedThunk(thunk, self.sharded, inputs, outputs), inputs, outputs
 
+    def located_plan(self) -> Plan | None:
+        """The plan, with where its cluster tasks ran (``Plan.ran``: workers and their
+        devices) once the function was called on a cluster; asks the cluster, so it is
+        what ``f.plan`` gives, not what a call reads."""
+        plan = self.plan
+        if plan is None or self.executor is None:
+            return plan
+        ran = self.executor.where_ran()
+        return dataclasses.replace(plan, ran=ran) if ran else plan
+
     def _sharding_changed(self, text: str) -> None:
         if self.plan is not None:  # (set by make_thunk, before sharding can change)
             self.plan = dataclasses.replace(self.plan, sharding=text)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +45,13 @@ from pytensor.compile.sharedvalue import SharedVariable
 
 from dasktensor import _config
 from dasktensor._placement import Placement
-from dasktensor.cluster import SchedulerRef, check_resources, submit
+from dasktensor.cluster import (
+    SchedulerRef,
+    check_resources,
+    scheduler_workers,
+    submit,
+    worker_devices,
+)
 from dasktensor.engine._plan import Plan
 from dasktensor.engine._resident import ResidentStages, resident_stages
 from dasktensor.engine._translate import TaskGraph, _run, picked
@@ -69,6 +76,8 @@ class PlanExecutor:
         self._resident: dict[tuple[int, int | None], tuple[Any, Any]] = {}
         # client id -> the resident stages of this function on that cluster
         self._stages: dict[int, ResidentStages] = {}
+        # the client of the stages made last, and they (what where_ran reports)
+        self._last_stages: tuple[weakref.ref, ResidentStages] | None = None
 
     def __call__(self, *values):
         kind, scheduler = self.scheduler.resolve()
@@ -79,6 +88,41 @@ class PlanExecutor:
         if self.has_remote_calls:
             return self._run_graph_submitting(scheduler, values)
         return self._run_on_client(scheduler, values)
+
+    def where_ran(self) -> dict[int, tuple[str, ...]]:
+        """Where the cluster tasks ran: per task index, the workers holding its resident
+        stage, each as ``"NAME (ADDRESS): DEVICE"`` (the device ``"GPU 0 (NAME)"`` or
+        ``"cpu"``, :func:`dasktensor.cluster.worker_devices`).
+
+        It asks the cluster (the workers holding each stage, then their devices, which
+        each worker finds once), so it is read with the plan (``f.plan``), never on a
+        call.  Empty before a call on a distributed client, on the ``tasks`` path (whose
+        tasks go where the scheduler puts each), and when the cluster cannot say (its
+        client closed, a worker not answering).
+        """
+        if self._last_stages is None:
+            return {}
+        ref, stages = self._last_stages
+        client = ref()
+        if client is None or client.status != "running":
+            return {}
+        try:
+            held = stages.holders()
+            addresses = sorted({a for found in held.values() for a in found})
+            devices = worker_devices(client, addresses) if addresses else {}
+            names = {a: str(w.get("name", a)) for a, w in scheduler_workers(client).items()}
+        except Exception:  # the plan prints without it (the cluster is going, or gone)
+            return {}
+        return {
+            index: tuple(
+                f"{names.get(a, a)} ({a}): {devices.get(a, '?')}"
+                if names.get(a, a) != a
+                else f"{a}: {devices.get(a, '?')}"
+                for a in found
+            )
+            for index, found in held.items()
+            if found
+        }
 
     # -- a local scheduler ----------------------------------------------------------------
 
@@ -109,6 +153,7 @@ class PlanExecutor:
         if stages is None:
             stages = resident_stages(cluster, self.graph.runners, client)
             self._stages[id(client)] = stages
+            self._last_stages = (weakref.ref(client), stages)
         for t in cluster:
             key = keys[t.index]
             _, picks, *deps = dsk[key].args  # (runner, picks, *deps)

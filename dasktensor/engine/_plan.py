@@ -57,7 +57,7 @@ pass.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -147,6 +147,10 @@ class Plan:
     #: whether the function is split into data shards on a cluster, over which data, into
     #: how many shards and why, or why not (``dasktensor.sharding._executor``); None: not looked at
     sharding: str | None = None
+    #: where the cluster tasks ran, once the function was called on a cluster: per task
+    #: index, the workers holding its resident stage, each with the device it runs on
+    #: (``"gpu-1 (tcp://10.0.0.5:40431): GPU 1 (NVIDIA H200)"``; see ``f.plan``)
+    ran: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def single_stage(self) -> bool:
@@ -154,8 +158,8 @@ class Plan:
         return len(self.tasks) == 1 and self.tasks[0].kind == "stage"
 
     def describe(self, nodes: bool = False) -> str:
-        """The plan as text: one line per task, then its op types (or, with ``nodes=True``,
-        every node)."""
+        """The plan as text: one line per task, where it ran (after a call on a cluster),
+        then its op types (or, with ``nodes=True``, every node)."""
         lines = [f"Plan: {len(self.fgraph.apply_nodes)} nodes -> {len(self.tasks)} task(s)"]
         if self.sharding:
             lines.extend(f"  {line}" for line in self.sharding.splitlines())
@@ -166,6 +170,8 @@ class Plan:
                 f"  [{t.index}] {t.name:<24} {t.kind:<6} on {t.where:<7} "
                 f"{len(t.nodes):>5} node(s)  deps: {deps:<8} {t.reason}{ann}"
             )
+            if self.ran.get(t.index):
+                lines.append(f"        ran on: {'; '.join(self.ran[t.index])}")
             if nodes:
                 lines.extend(f"        {n}" for n in t.nodes)
                 continue

@@ -169,6 +169,11 @@ class ResidentStages:
             status, payload = model.call("run_together", len(inputs), tokens, every)
         return tuple(payload)
 
+    def holders(self) -> dict[int, list[str]]:
+        """Per task index, the addresses of the workers holding its stage now (asks the
+        cluster: for ``f.plan``, never on a call)."""
+        return {index: model.workers() for index, model in self.models.items()}
+
     def close(self) -> None:
         """Release the stages from the workers."""
         release_in_background(list(self.models.values()))
