@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "_ext"))  # the settings directive (dasktensor_settings.py)
+sys.path.insert(0, str(HERE / "_ext"))  # dasktensor_settings.py, dasktensor_results.py
 
 import dasktensor  # noqa: E402  the version (autodoc imports it anyway); after sys.path above
 
@@ -29,6 +29,7 @@ extensions = [
     "numpydoc",
     "myst_nb",  # Markdown pages (MyST) and the notebooks
     "dasktensor_settings",
+    "dasktensor_results",  # the benchmarks' tables, from benchmarks/results/
 ]
 
 root_doc = "index"
