@@ -223,6 +223,21 @@ def test_the_journey_of_a_call_is_a_drawn_figure(site):
     assert "journey-of-a-call.svg" in page and (site / "_images" / figure.name).exists()
 
 
+def test_the_performance_page_shows_the_benchmarks_tables_and_figures(site):
+    """Its tables and figures are made from benchmarks/results/ (docs/_ext/
+    dasktensor_results.py; tests/test_doc_figures.py checks the pages' figures)."""
+    import json
+
+    page = (site / "performance.html").read_text(encoding="utf-8")
+    assert "list-table" not in page and "{benchmark-results}" not in page
+    assert page.count('<table class="benchmark-results') >= 15
+    saved = json.loads((ROOT / "benchmarks/results/python3.12/p1-latency.json").read_text())
+    call = next(r for r in saved["rows"] if r["metric"] == "dasktensor call")
+    assert call["measured_text"].replace(" us", " µs") in page
+    script = saved["command"].split()[1]  # the literal's words are spans of their own
+    assert f'<span class="pre">{script}</span>' in page and saved["machine"]["cpu"] in page
+
+
 def test_guides_state_no_machine_specific_timings():
     """Figures belong on the performance page, with the machine described; the other pages
     link to it. (The architecture records measured reasons for its decisions.)"""
