@@ -134,7 +134,8 @@ def p23(client) -> list[Row]:
     parted = [int(np.argmax(r > 1e-6)) if (r > 1e-6).any() else r.size for r in rel]
     import arviz as az
 
-    mcse = az.mcse(draws["pytensor"].posterior["theta"]).values
+    # a Dataset in, a Dataset out on both lines (ArviZ 0.x gives a Dataset for a DataArray)
+    mcse = az.mcse(draws["pytensor"].posterior[["theta"]])["theta"].values
     gap = np.abs(
         draws["pytensor"].posterior["theta"].mean(("chain", "draw")).values
         - draws["remote vjp"].posterior["theta"].mean(("chain", "draw")).values
