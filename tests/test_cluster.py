@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import dask
 import numpy as np
 import pytensor.tensor as pt
@@ -262,3 +264,79 @@ def test_embedded_cluster_settings_accept_underscores_as_environment_variables_g
         with dt.connect(dashboard_address=False, set_as_default=False) as c:
             assert len(scheduler_workers(c)) == 1
             c.shutdown()
+
+
+# ----------------------------------------------------------------------- workers' malloc
+
+
+def _page_faults_per_temporary(n: int = 100) -> float:
+    """On a worker: minor page faults per evaluation of an expression whose temporary is
+    1 MiB (a model's NumPy temporaries).  An allocator that reuses freed memory faults
+    about never; one that maps every such temporary afresh faults once per 4 KiB page."""
+    import resource
+
+    x = np.ones(1 << 17)  # 1 MiB
+    for _ in range(10):
+        (x * 2.0).sum()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(n):
+        (x * 2.0).sum()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / n
+
+
+@pytest.fixture
+def environ_restored():
+    """Dask's nannies write their pre-spawn environment into this process's; undo it."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _malloc_variable():
+    """On a worker: its MALLOC_TRIM_THRESHOLD_ (read there: ``os.environ.get`` itself would
+    pickle the caller's environment along)."""
+    import os
+
+    return os.environ.get("MALLOC_TRIM_THRESHOLD_")
+
+
+def _malloc_of_workers(client) -> list[tuple]:
+    variables = client.run(_malloc_variable)
+    faults = client.run(_page_faults_per_temporary)
+    return [(variables[w], faults[w]) for w in sorted(variables)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc, Linux rusage")
+def test_embedded_workers_reuse_freed_memory_where_dasks_default_workers_fault_afresh(
+    environ_restored,
+):
+    """Dask's nanny sets MALLOC_TRIM_THRESHOLD_=65536, which turns off glibc's adaptive
+    mmap threshold: each 1 MiB temporary is a fresh mapping, 256 page faults.  The
+    embedded cluster's workers run with glibc's own thresholds, also after a Dask cluster
+    of the same process left the variable in its environment."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, processes=True, dashboard_address=None) as cluster:
+        with Client(cluster, set_as_default=False) as plain:
+            [(variable, faults)] = _malloc_of_workers(plain)
+    assert variable == "65536" and faults > 128, (variable, faults)  # Dask's default
+    with dt.connect(n_workers=1, dashboard_address=False, set_as_default=False) as client:
+        [(variable, faults)] = _malloc_of_workers(client)
+        client.shutdown()
+    assert variable is None and faults < 16, (variable, faults)
+
+
+def test_the_malloc_setting_gives_the_embedded_workers_dasks_threshold_or_refuses_nonsense(
+    environ_restored,
+):
+    with dask.config.set({"dasktensor.cluster.malloc-trim-threshold": 65536}):
+        with dt.connect(n_workers=1, dashboard_address=False, set_as_default=False) as c:
+            [(variable, faults)] = _malloc_of_workers(c)
+            c.shutdown()
+    assert variable == "65536" and faults > 128, (variable, faults)
+    with dask.config.set({"dasktensor.cluster.malloc-trim-threshold": "lots"}):
+        with pytest.raises(ValueError, match=r"malloc-trim-threshold expected null .* got 'lots'"):
+            dt.connect(n_workers=1, dashboard_address=False, set_as_default=False)

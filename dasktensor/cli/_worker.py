@@ -53,7 +53,7 @@ def _resources_argument(text: str) -> dict:
 
 
 async def _serve(args, devices) -> None:
-    from distributed import Nanny
+    from dasktensor.cluster import Nanny  # Dask's, with glibc's own malloc
 
     host_name = args.name_prefix or socket.gethostname()
     security = _security(args)

@@ -25,6 +25,10 @@ Everything in dasktensor that talks to a distributed cluster goes through here: 
   device alone visible, ``GPU=1``, memory settings for a GPU stack), and ``dt.info()``:
   the workers and the devices each one sees; :func:`worker_devices`: the short label of
   each worker's device, which a function's plan shows for the blocks that ran there.
+* **Worker processes** (``_nanny.py``).  :class:`Nanny`: Dask's nanny, its worker
+  spawned without Dask's ``MALLOC_TRIM_THRESHOLD_`` (``dasktensor.cluster.
+  malloc-trim-threshold``), so that a model's NumPy temporaries reuse freed memory; the
+  embedded cluster and ``dasktensor worker`` start their workers with it.
 * **Errors** (``_errors.py``).  :class:`SchedulerLostError`, and how a lost scheduler is
   recognised.
 * **The channel on Dask's tools** (``_dashboard.py``, ``_adaptive.py``).
@@ -60,6 +64,7 @@ from dasktensor.cluster._gpus import worker_devices as worker_devices
 from dasktensor.cluster._info import ClusterInfo as ClusterInfo
 from dasktensor.cluster._info import WorkerInfo as WorkerInfo
 from dasktensor.cluster._info import info as info
+from dasktensor.cluster._nanny import Nanny as Nanny
 from dasktensor.cluster._submit import carrying as carrying
 from dasktensor.cluster._submit import submit as submit
 from dasktensor.cluster._submit import task_slot_released as task_slot_released
@@ -72,6 +77,7 @@ __all__ = [
     "Adaptive",
     "ClusterInfo",
     "Device",
+    "Nanny",
     "NoGPUError",
     "NoWorkerWithResourcesError",
     "SchedulerLostError",

@@ -16,6 +16,7 @@ from dasktensor.cluster._gpus import (
     find_devices,
     gpu_worker_options,
 )
+from dasktensor.cluster._nanny import Nanny, spawn_environ
 
 
 def configured_address() -> str | None:
@@ -261,6 +262,10 @@ def connect(
         }
     if resources is not None:
         kwargs["resources"] = dict(resources)
+    if kwargs["processes"]:
+        # Dask's nanny, without Dask's MALLOC_TRIM_THRESHOLD_ (see cluster/_nanny.py)
+        kwargs.setdefault("worker_class", Nanny)
+        spawn_environ()  # a malformed setting fails here, before anything starts
     if devices:
         kwargs["env"] = {**kwargs.get("env", {}), **cpu_worker_env()}
     # a task asking for resources that no worker offers fails instead of waiting forever
