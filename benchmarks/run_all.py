@@ -46,6 +46,7 @@ BENCHMARKS = {
     "p22": "bench_p22_serve_umbridge",
     "p24": "bench_p24_pipeline",
     "p27": "bench_p27_throughput",
+    "p28": "bench_p28_worker_malloc",
     "gpu": "bench_gpu",
 }
 
