@@ -15,6 +15,12 @@ does ``@dt.batched`` buy when the model itself costs (nearly) nothing?
   saw (its call log, ``ModelHost.calls``: one record per batch; median and mean).
   Target: 64 threads get >= 4x the calls/s of one thread, batched (the batches must
   pay: one thread waits for each reply, 64 share the replica's batches).
+* **The hand-off floor** of the same 64 threads, measured in every round beside the echo:
+  each call handed to a thread of this process that sums the rows waiting and wakes
+  their callers (``HandOff``), no sockets, no pickling, no worker.  It is the most
+  calls/s any channel can give the threads of one CPython process (each call wakes its
+  thread, which then waits for the GIL), so "hand-off floor / batched, 1 thread" is the
+  most that 64 threads can gain over one on this machine.
 * **GPU** (``--gpu``, or by itself when JAX sees a GPU): ``_ops.JaxMLP``, a JAX MLP
   surrogate (4 layers of 8,192 units on a GPU; batches padded to 1, 8 or 64 rows, the
   three shapes compiled when the replica is built) on a worker with ``resources={"GPU":
@@ -162,6 +168,57 @@ class ProcessCallers:
                 proc.kill()
 
 
+class HandOff:
+    """The floor of any channel for threads of one process: the same callers (the same
+    rows, the same check of each result), each call handed to a thread of this process
+    that sums the rows waiting, in one go, and wakes their callers -- as the combiner's
+    leader does, without the sockets, the pickling and the worker.  What is left is
+    waking each caller and the GIL they share: the most calls/s that threads of one
+    CPython process can get from a replica, however fast the channel."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.queue: list = []
+        self.ready = threading.Semaphore(0)
+        self.closed = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def call(self, x):
+        wake = threading.Lock()
+        wake.acquire()
+        box = [x, wake]
+        with self.lock:
+            self.queue.append(box)
+        self.ready.release()
+        wake.acquire()
+        return box[0]
+
+    def _serve(self) -> None:
+        while not self.closed:
+            self.ready.acquire()
+            with self.lock:
+                taken, self.queue = self.queue, []
+            if taken:
+                sums = np.stack([box[0] for box in taken]).sum(axis=1)
+                for box, total in zip(taken, sums, strict=True):
+                    box[0] = total
+                    box[1].release()
+
+    def work(self):
+        def work(i: int, k: int):
+            x = row(i, k)
+            got = self.call(x)
+            return None if float(got) == float(x.sum()) else f"caller {i} call {k}: {got}"
+
+        return work
+
+    def close(self) -> None:
+        self.closed = True
+        self.ready.release()
+        self.thread.join()
+
+
 def _batch_sizes(name: str, method: str, since: float, dask_worker=None) -> list[int]:
     """On a worker: the sizes of the batches of ``name.method`` that ended after
     ``since`` (wall-clock seconds), from the call log of its models' host."""
@@ -237,6 +294,7 @@ def cpu_variant(rounds: int = ROUNDS) -> list[Row]:
         pools = {c: Callers(n) for c, n in threads.items()}
         procs = ProcessCallers(model, PROCS, PROC_THREADS, first=64)
         payload = request_bytes(model._spec.key, "rowsum", row(0, 0))
+        hand_off = HandOff()
         try:
             configs = {
                 c: (lambda m, k, p=pools[c]: p.run(rowsum_work(model, m), k), CALLS[c])
@@ -247,21 +305,27 @@ def cpu_variant(rounds: int = ROUNDS) -> list[Row]:
                 for _ in range(200):
                     tcp_echo(payload)
 
-                def echo() -> float:
+                def floors() -> tuple[float, float]:
+                    """A raw echo's calls/s (one thread) and the hand-off floor's (64)."""
                     t0 = time.perf_counter()
                     for _ in range(ECHO_CALLS):
                         tcp_echo(payload)
-                    return ECHO_CALLS / (time.perf_counter() - t0)
+                    echo = ECHO_CALLS / (time.perf_counter() - t0)
+                    wall, n, bad = pools["64 threads"].run(hand_off.work(), CALLS["64 threads"])
+                    if bad:
+                        raise AssertionError(f"the hand-off floor got {bad[:3]}")
+                    return echo, n / wall
 
                 # warm-up: every thread's connection open, every method's batcher made
                 alternate(client, "rowsum", {c: (run, 3) for c, (run, _) in configs.items()},
                           VARIANTS, 1)  # fmt: skip
                 t0 = time.perf_counter()
-                rates, sizes, wrong, checked, echoes = alternate(
-                    client, "rowsum", configs, VARIANTS, rounds, extra=echo
+                rates, sizes, wrong, checked, extras = alternate(
+                    client, "rowsum", configs, VARIANTS, rounds, extra=floors
                 )
                 took = time.perf_counter() - t0
         finally:
+            hand_off.close()
             procs.close()
             for p in pools.values():
                 p.close()
@@ -270,8 +334,13 @@ def cpu_variant(rounds: int = ROUNDS) -> list[Row]:
     if wrong:
         raise AssertionError(f"{len(wrong)} wrong results, e.g. {wrong[:3]}")
     med = {k: statistics.median(v) for k, v in rates.items()}
-    echo_rate = statistics.median(echoes)
-    table = [("raw TCP echo", "1 thread", "-", f"{echo_rate:,.0f}", "1.000", "-", "-")]
+    echo_rate = statistics.median(e for e, _ in extras)
+    floor_rate = statistics.median(f for _, f in extras)
+    table = [
+        ("raw TCP echo", "1 thread", "-", f"{echo_rate:,.0f}", "1.000", "-", "-"),
+        ("hand-off floor", "64 threads", CALLS["64 threads"], f"{floor_rate:,.0f}",
+         f"{floor_rate / echo_rate:.3f}", "-", "-"),
+    ]  # fmt: skip
     for (c, v), rate in med.items():
         per_thread = CALLS[c]
         table.append(
@@ -284,6 +353,7 @@ def cpu_variant(rounds: int = ROUNDS) -> list[Row]:
         f"{len(payload)}-byte request; {checked} results checked, all right; {took:.0f} s)",
     )
     rows.append(Row(NAME, "raw TCP echo, 1 thread (calls/s)", round(echo_rate)))
+    rows.append(Row(NAME, "hand-off floor, 64 threads (calls/s)", round(floor_rate)))
     for (c, v), rate in med.items():
         rows.append(Row(NAME, f"{v}, {c} (calls/s)", round(rate)))
     for (c, v), rate in med.items():
@@ -309,6 +379,12 @@ def cpu_variant(rounds: int = ROUNDS) -> list[Row]:
             4,
             True,
         ),
+        Row(
+            NAME,
+            "hand-off floor, 64 threads / batched, 1 thread",
+            floor_rate / med["1 thread", b],
+        ),
+        Row(NAME, "batched, 64 threads / hand-off floor", med["64 threads", b] / floor_rate),
         Row(
             NAME,
             "batched: 4 procs x 16 threads / 1 thread",
