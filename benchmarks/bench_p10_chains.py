@@ -16,6 +16,8 @@ sampled again in the same process (on the same cluster), **warm**.  The variants
 in blocks (pm, dt, dt, pm, ...) and the medians are compared.  Also printed: dt.sample's
 wall-time breakdown (connect, PyMC's setup, step method pickled and sent, compiled on the
 workers, tuning, draws, gathering, conversion), and whether its draws equal pm.sample's.
+Last, the CPU per leapfrog step of one NUTS step method unpickled in a plain process and
+on a worker (``where_steps_run``): what a worker process's own threads cost a chain.
 On PyTensor 3 a step method compiled in the sampling process and one unpickled in another
 can differ in the last bits (Numba's fast-math; see ``tests/_sample_models.py``): equality
 is then checked to round-off.
@@ -202,6 +204,98 @@ def _spawn(variant: str, args, scratch: str) -> dict:
     return record
 
 
+#: NUTS steps timed per measurement of where a step method runs (after 20 unrecorded)
+LEAPFROG_STEPS = 150
+
+
+def _leapfrog_cost(payload: bytes, point: dict, on_worker: bool = False) -> float:
+    """Unpickle a NUTS step method and make ``LEAPFROG_STEPS`` steps from ``point`` (20
+    first, unrecorded): the CPU microseconds of this thread per leapfrog step.  On a
+    worker the profiler pauses as around a segment of ``dt.sample``."""
+    import pickle
+    import resource
+
+    from dasktensor.sampling._segments import profiler_paused
+
+    step = pickle.loads(payload)
+
+    def steps(n: int) -> tuple[float, int]:
+        nonlocal point
+        leaps, r0 = 0, resource.getrusage(resource.RUSAGE_THREAD)
+        for _ in range(n):
+            point, stats = step.step(point)
+            leaps += int(stats[0]["tree_size"])
+        r1 = resource.getrusage(resource.RUSAGE_THREAD)
+        return r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, leaps
+
+    steps(20)
+    with profiler_paused() if on_worker else contextlib.nullcontext():
+        cpu, leaps = steps(LEAPFROG_STEPS)
+    return cpu / leaps * 1e6
+
+
+def _leapfrog_in_process(queue, payload: bytes, point: dict) -> None:
+    queue.put(_leapfrog_cost(payload, point))
+
+
+@contextlib.contextmanager
+def _environ(values: dict):
+    """``os.environ`` with ``values`` set meanwhile (a spawned child inherits it)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def where_steps_run(rows: int, rounds: int = 3) -> list[Row]:
+    """The same NUTS step method (the regression's, pickled as PyMC pickles it for its
+    processes) unpickled in a spawned plain process and on a worker of a LocalCluster,
+    in turn: CPU microseconds per leapfrog step, the same trajectory in both (the
+    unpickled state is the same).  A worker process has threads of its own (its event
+    loop's periodic callbacks, Dask's profiler thread) that take the GIL from a segment
+    many times a second; this measures what a worker process costs a chain.  Both run
+    with single-threaded BLAS: the CPU counted is the sampling thread's."""
+    import multiprocessing as mp
+
+    import cloudpickle
+    import pymc as pm
+
+    m = regression(rows)
+    with m:
+        step = pm.NUTS()
+        point = m.initial_point()
+    payload = cloudpickle.dumps(step)
+    ctx = mp.get_context("spawn")
+    costs: dict[str, list[float]] = {"process": [], "worker": []}
+    with local_cluster(n_workers=1) as client:
+        for r in range(rounds):
+            for where in ("process", "worker") if r % 2 == 0 else ("worker", "process"):
+                if where == "worker":
+                    future = client.submit(_leapfrog_cost, payload, point, True, pure=False)
+                    costs[where].append(future.result())
+                    continue
+                queue = ctx.Queue()
+                proc = ctx.Process(target=_leapfrog_in_process, args=(queue, payload, point))
+                with _environ(SINGLE_THREAD_ENV):  # as the workers' (thread CPU is counted)
+                    proc.start()
+                costs[where].append(queue.get(timeout=600))
+                proc.join()
+    med = {k: statistics.median(v) for k, v in costs.items()}
+    print(f"[{NAME}] one NUTS step method, CPU us per leapfrog step: plain process "
+          f"{med['process']:.0f}, worker {med['worker']:.0f} ({rounds} rounds)")  # fmt: skip
+    return [
+        Row(NAME, "NUTS step, plain process: CPU us per leapfrog, median", round(med["process"])),
+        Row(NAME, "NUTS step, worker: CPU us per leapfrog, median", round(med["worker"])),
+        Row(NAME, "NUTS step: worker / plain process", round(med["worker"] / med["process"], 3)),
+    ]
+
+
 def compare(args) -> list[Row]:
     """Alternating blocks of fresh processes; medians of pm / dt, cold and warm."""
     import shutil
@@ -275,6 +369,7 @@ def compare(args) -> list[Row]:
             Row(NAME, "draws identical to pm.sample's (1/0)", int(exact)),
             Row(NAME, "draws equal to pm.sample's to round-off (1/0)", int(close), 1, True),
         ]  # fmt: skip
+        rows += where_steps_run(args.rows)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     rows.append(load_row(NAME))
