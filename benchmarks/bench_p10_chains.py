@@ -17,7 +17,7 @@ in blocks (pm, dt, dt, pm, ...) and the medians are compared.  Also printed: dt.
 wall-time breakdown (connect, PyMC's setup, step method pickled and sent, compiled on the
 workers, tuning, draws, gathering, conversion), and whether its draws equal pm.sample's.
 Last, the CPU per leapfrog step of one NUTS step method unpickled in a plain process and
-on a worker (``where_steps_run``): what a worker process's own threads cost a chain.
+on a worker (``where_steps_run``): what running on a worker costs a chain.
 On PyTensor 3 a step method compiled in the sampling process and one unpickled in another
 can differ in the last bits (Numba's fast-math; see ``tests/_sample_models.py``): equality
 is then checked to round-off.
@@ -238,30 +238,14 @@ def _leapfrog_in_process(queue, payload: bytes, point: dict) -> None:
     queue.put(_leapfrog_cost(payload, point))
 
 
-@contextlib.contextmanager
-def _environ(values: dict):
-    """``os.environ`` with ``values`` set meanwhile (a spawned child inherits it)."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def where_steps_run(rows: int, rounds: int = 3) -> list[Row]:
     """The same NUTS step method (the regression's, pickled as PyMC pickles it for its
     processes) unpickled in a spawned plain process and on a worker of a LocalCluster,
     in turn: CPU microseconds per leapfrog step, the same trajectory in both (the
-    unpickled state is the same).  A worker process has threads of its own (its event
-    loop's periodic callbacks, Dask's profiler thread) that take the GIL from a segment
-    many times a second; this measures what a worker process costs a chain.  Both run
+    unpickled state is the same): what running on a worker costs a chain.  Both run
     with single-threaded BLAS: the CPU counted is the sampling thread's."""
     import multiprocessing as mp
+    from unittest import mock
 
     import cloudpickle
     import pymc as pm
@@ -282,7 +266,8 @@ def where_steps_run(rows: int, rounds: int = 3) -> list[Row]:
                     continue
                 queue = ctx.Queue()
                 proc = ctx.Process(target=_leapfrog_in_process, args=(queue, payload, point))
-                with _environ(SINGLE_THREAD_ENV):  # as the workers' (thread CPU is counted)
+                # single-threaded BLAS as on the workers (the thread's CPU is counted)
+                with mock.patch.dict(os.environ, SINGLE_THREAD_ENV):
                     proc.start()
                 costs[where].append(queue.get(timeout=600))
                 proc.join()

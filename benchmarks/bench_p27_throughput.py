@@ -184,7 +184,8 @@ class HandOff:
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
-    def call(self, x):
+    def call(self, method: str, x):
+        """``method`` is ignored: called as ``model.call`` is (``rowsum_work``)."""
         wake = threading.Lock()
         wake.acquire()
         box = [x, wake]
@@ -204,14 +205,6 @@ class HandOff:
                 for box, total in zip(taken, sums, strict=True):
                     box[0] = total
                     box[1].release()
-
-    def work(self):
-        def work(i: int, k: int):
-            x = row(i, k)
-            got = self.call(x)
-            return None if float(got) == float(x.sum()) else f"caller {i} call {k}: {got}"
-
-        return work
 
     def close(self) -> None:
         self.closed = True
@@ -311,7 +304,9 @@ def cpu_variant(rounds: int = ROUNDS) -> list[Row]:
                     for _ in range(ECHO_CALLS):
                         tcp_echo(payload)
                     echo = ECHO_CALLS / (time.perf_counter() - t0)
-                    wall, n, bad = pools["64 threads"].run(hand_off.work(), CALLS["64 threads"])
+                    wall, n, bad = pools["64 threads"].run(
+                        rowsum_work(hand_off, "rowsum"), CALLS["64 threads"]
+                    )
                     if bad:
                         raise AssertionError(f"the hand-off floor got {bad[:3]}")
                     return echo, n / wall
