@@ -458,6 +458,219 @@ def _outcome(p: _Pending, spec: ModelSpec, method):
     return call(spec, method, p.args, retries_left=retries)
 
 
+class Combined:
+    """The same call of several targets -- one method of each of K models, as the data
+    shards of a likelihood are -- from several threads of this process, each thread with
+    its own arguments (the chains of a sampler, each with its parameter vector).
+
+    A thread that calls while no round is out *leads*: it sends one message per target
+    holding every waiting thread's arguments (``(key, method, [args, ...], MANY)``), reads
+    the K replies, hands each thread its K results and the lead to the oldest thread that
+    arrived meanwhile.  Every target then sees the threads' calls together, at the same
+    time, where a message per thread and target let each model's batches form apart:
+    four chains on two shards met in batches of 1.4 calls, the shards working on
+    different chains.  A round smaller than the threads present at once during the last
+    one (sent or waiting) waits for the others, at most a quarter of the last round's
+    time: threads that call back to back come back one after another from a round, and
+    the first one back would otherwise go alone and the others behind it, for ever.  A
+    lone thread never waits.
+
+    A call whose batch raised on a target gets that error, with its type and the remote
+    traceback, as a call alone would (the other threads of the round, in batches that did
+    not raise, get their results).  Anything else but K results for a thread (a lost
+    worker, a released replica, an error with ``retries`` left) makes that thread's call
+    again on its own (:func:`call_many`), with the usual failover and retries.
+    """
+
+    def __init__(self, targets: Sequence[tuple[ModelSpec, str | None]]):
+        self.targets = list(targets)
+        self.lock = threading.Lock()
+        self.arrived = threading.Condition(self.lock)
+        self.queue: deque[_Pending] = deque()
+        self.leading = False
+        #: threads in the round out now; the most present at once (sent or waiting)
+        #: since the last round was sent; the last round's threads and seconds
+        self.sending = 0
+        self.present = 0
+        self.last = (1, 0.0)
+
+    def __call__(self, args: tuple) -> list:
+        """The K targets' results for ``args``, in the targets' order."""
+        mine = _Pending(args)
+        with self.lock:
+            self.queue.append(mine)
+            self.present = max(self.present, self.sending + len(self.queue))
+            self.arrived.notify()
+            if not self.leading:
+                self.leading = mine.lead = True
+        try:
+            if not mine.lead:
+                mine.wake.acquire()  # the lead, or the outcome
+            if mine.lead:
+                self._lead(mine)
+            if mine.state is None:  # taken by the round of the leader it was handed by
+                mine.wake.acquire()
+        except BaseException:  # interrupted while waiting (Ctrl-C): leave, lead handed on
+            with self.lock:
+                if mine in self.queue:
+                    self.queue.remove(mine)
+                if mine.lead:
+                    self._hand_on(mine)
+            raise
+        if mine.state == "OK":
+            return mine.value
+        if mine.state == "error":
+            _raise_remote(mine.value)
+        if mine.state == "raise":
+            raise mine.value
+        return call_many([(spec, method, args) for spec, method in self.targets])
+
+    def _lead(self, mine: _Pending) -> None:
+        while True:
+            with self.lock:
+                if mine.state is not None or not self.queue:
+                    self._hand_on(mine)
+                    return  # done, or sent in another round: its outcome comes
+                taken = self._take(MAX_COMBINED)
+            try:
+                taken += self._more(len(taken))
+            except BaseException:  # interrupted while waiting: back to the queue
+                with self.lock:
+                    self.queue.extendleft(reversed(taken))
+                    self._hand_on(mine)
+                raise
+            began = time.monotonic()
+            try:
+                if len(taken) == 1:  # alone: the plain calls, as with no other thread
+                    self._alone(taken[0])
+                else:
+                    _send_rounds(self.targets, taken)
+            except BaseException:  # interrupted: the others make their calls alone
+                for p in taken:
+                    if p.state is None:
+                        p.state = "alone"
+                    if p is not mine:
+                        _wake(p)
+                with self.lock:
+                    self.sending = 0
+                    self._hand_on(mine)
+                raise
+            with self.lock:
+                self.sending, self.last = 0, (len(taken), time.monotonic() - began)
+            for p in taken:
+                if p is not mine:
+                    _wake(p)
+
+    def _more(self, n: int) -> list[_Pending]:
+        """Calls arriving for a round of ``n``, while it is smaller than the threads
+        present during the last round (at most a quarter of that round's time)."""
+        more: list[_Pending] = []
+        with self.lock:
+            expected = min(max(self.last[0], self.present), MAX_COMBINED)
+            deadline = time.monotonic() + self.last[1] / 4
+            while n + len(more) < expected and (left := deadline - time.monotonic()) > 0:
+                self.arrived.wait(left)
+                more += self._take(MAX_COMBINED - n - len(more))
+            self.sending = n + len(more)
+            self.present = self.sending + len(self.queue)
+        return more
+
+    def _take(self, room: int) -> list[_Pending]:
+        return [self.queue.popleft() for _ in range(min(len(self.queue), room))]
+
+    def _alone(self, p: _Pending) -> None:
+        try:
+            p.state, p.value = "OK", call_many([(s, m, p.args) for s, m in self.targets])
+        except Exception as e:  # (raised in its own thread, traceback and all)
+            p.state, p.value = "raise", e
+
+    def _hand_on(self, mine: _Pending) -> None:
+        """Give up the lead (with the lock held): to the oldest thread waiting to be
+        sent, or to nobody."""
+        mine.lead = False
+        for waiting in self.queue:
+            if not waiting.lead:
+                waiting.lead = True
+                _wake(waiting)
+                return
+        self.leading = False
+
+
+def _send_rounds(targets: Sequence[tuple], taken: list[_Pending]) -> None:
+    """One message per target with the calls ``taken`` (all written, then the replies
+    read); each one's ``state`` and ``value`` (its K results) set."""
+    channel = get_channel()
+    calls = [p.args for p in taken]
+    sent: list = []
+    for spec, method in targets:
+        replicas = replica_set(spec)
+        address = replicas.pick()
+        try:
+            conn = _send(channel, replicas, address, spec, (spec.key, method, calls, MANY))
+        except _LOST as e:
+            conn = e
+        except BaseException as e:  # nothing sent to this one; the others end on their own
+            done(address)
+            _abandon(sent)
+            if not isinstance(e, Exception):
+                raise
+            for p in taken:  # (arguments that do not pickle: each call alone finds whose)
+                p.state, p.value = "alone", None
+            return
+        sent.append((replicas, address, conn))
+    values: list[list] = [[] for _ in taken]
+    lost: set[int] = set()
+    errors: dict[int, dict] = {}  # the first remote error of each call
+    for i, ((spec, _), (replicas, address, conn)) in enumerate(zip(targets, sent, strict=True)):
+        reply = conn
+        if not isinstance(conn, BaseException):
+            try:
+                reply = _reply(conn, replicas, address, None)
+                channel.give_back(conn)
+            except _LOST as e:
+                conn.close()
+                reply = e
+            except BaseException:  # interrupted: the replies not read end on their own
+                conn.close()
+                done(address)
+                _abandon(sent[i + 1 :])
+                raise
+        done(address)
+        status = reply[0] if isinstance(reply, tuple) else None
+        if status == "many" and len(reply[1]) == len(taken):
+            for j, (outcome, value, *_) in enumerate(reply[1]):
+                if outcome == "OK":
+                    values[j].append(value)
+                elif spec.retries:
+                    lost.add(j)
+                else:  # the call's batch raised: its error (as for a call alone)
+                    errors.setdefault(j, value)
+            continue
+        if status == "error" and not spec.retries:  # the message failed on the worker
+            for j in range(len(taken)):
+                errors.setdefault(j, reply[1])
+            continue
+        if status != "error":  # released, or the connection failed: lost to us
+            replicas.drop(address)
+        lost.update(range(len(taken)))
+    for j, p in enumerate(taken):
+        if j in errors:
+            p.state, p.value = "error", errors[j]
+        elif j in lost:
+            p.state, p.value = "alone", None
+        else:
+            p.state, p.value = "OK", values[j]
+
+
+def _abandon(sent: list) -> None:
+    """Calls sent whose replies will not be read here: each ends on its own."""
+    for _, address, conn in sent:
+        if isinstance(conn, BaseException):
+            done(address)
+        else:
+            drain(conn, functools.partial(done, address))
+
+
 class _Combiners(ProcessState):
     """The combiners of this process, by ``(model key, method)``: made once a reply
     says the method is batched."""

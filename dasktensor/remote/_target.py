@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dasktensor.ops import RemoteCallTarget
-from dasktensor.remote._calls import call, call_many
+from dasktensor.remote._calls import Combined, call, call_many
 from dasktensor.remote._spec import ModelSpec
 
 
@@ -74,6 +74,22 @@ class RemoteMethod(RemoteCallTarget):
     def call_together(cls, calls: Sequence[tuple[RemoteMethod, tuple]]) -> list:
         """All calls at once through the channel (see ``dasktensor.remote._calls``)."""
         return call_many([(t.spec, t.method, args, t.affinity(args)) for t, args in calls])
+
+    @classmethod
+    def combined(cls, targets: Sequence[RemoteMethod]) -> Combined:
+        """A function ``f(args) -> [result of each target]``: the same call of every
+        target, the calls of this process's threads made together, one message per
+        target (see ``dasktensor.remote._calls.Combined``).  For targets without
+        ``timeout`` or affinity (``batchable``, ``solves``/``reuses`` unset), as the data
+        shards of a likelihood are."""
+        for t in targets:
+            if not t.batchable or t.solves or t.reuses:
+                raise ValueError(
+                    "RemoteMethod.combined expected targets without timeout or affinity, "
+                    f"got {t!r} (timeout={t.spec.timeout}, solves={t.solves}, "
+                    f"reuses={t.reuses})"
+                )
+        return Combined([(t.spec, t.method) for t in targets])
 
     def __eq__(self, other) -> bool:
         return (

@@ -292,8 +292,10 @@ class ShardStages:
                     key=tokenize(token, i),
                 )
             )
-        # (batched: the calls of several chains that wait for a shard run together)
+        # (batched: the calls of several chains that wait for a shard run together; the
+        # chains of this process send theirs as one message per shard)
         self.targets = [m.method("run_together") for m in self.models]
+        self.together = RemoteMethod.combined(self.targets)
         self.built: list[str] = []
         self.client = client
         #: seconds spent making these stages: ``"hash"`` (the data's token, see
@@ -318,8 +320,9 @@ class ShardStages:
         )
 
     def call(self, args: list) -> list:
-        """Every shard's partial values for ``args``, from calls sent at once."""
-        return RemoteMethod.call_together([(t, args) for t in self.targets])
+        """Every shard's partial values for ``args``, from calls sent at once (with those
+        of the other threads calling meanwhile)."""
+        return self.together(tuple(args))
 
     def close(self) -> None:
         """Release the stages from the workers (only in the process that built them)."""
