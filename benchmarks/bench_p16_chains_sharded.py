@@ -76,6 +76,7 @@ def chains(label, client, ref, copies, points, calls: int, rounds: int) -> list[
     in a thread each, and the shards' own work (the ceiling)."""
     import numpy as np
 
+    began = time.time()
     alone = [[np.array(o) for o in copies[c](points[c])] for c in range(CHAINS)]
     ex = copies[0].maker.linker.sharded
     sets = {id(f.maker.linker.sharded.stages()[0]) for f in copies}
@@ -123,11 +124,16 @@ def chains(label, client, ref, copies, points, calls: int, rounds: int) -> list[
     times = {k: statistics.median(v) for k, v in timed.items()}
     print_ratio_table(times, base, title=f"{label}: per round of {CHAINS} evaluations")
 
-    def batches(dask_worker):
-        records = dask_worker.plugins["dasktensor-models"].calls.since(0.0)["records"]
-        return [r[5] for r in records if r[0] == "shard"]
+    def batches(since, dask_worker=None):
+        records = dask_worker.plugins["dasktensor-models"].calls.since(since)["records"]
+        return [(r[2], r[3], r[5]) for r in records if r[0] == "shard"]
 
-    sizes = [s for found in client.run(batches).values() for s in found]
+    found = list(client.run(batches, began).values())
+    sizes = [s for runs in found for _, _, s in runs]
+    # each shard's batches and the idle time before the next one (medians: the pauses
+    # between timed blocks are few)
+    took = [b - a for runs in found for a, b, _ in runs]
+    idle = [runs[i + 1][0] - runs[i][1] for runs in found for i in range(len(runs) - 1)]
     t_ref, t_dask, t_alone, t_together = times.values()
     return [
         Row(NAME, f"{label}: shard sets for the {CHAINS} copies", len(sets), 1),
@@ -139,6 +145,13 @@ def chains(label, client, ref, copies, points, calls: int, rounds: int) -> list[
         Row(NAME, f"{label}: ceiling default/shards' work (together)", t_ref / t_together),
         Row(NAME, f"{label}: share of the ceiling (together)", t_together / t_dask, 0.9, True),
         Row(NAME, f"{label}: mean calls per shard batch", statistics.mean(sizes)),
+        Row(NAME, f"{label}: a shard's batch, median", statistics.median(took), unit="s"),
+        Row(
+            NAME,
+            f"{label}: a shard idle between batches, median",
+            statistics.median(idle),
+            unit="s",
+        ),  # fmt: skip
         Row(NAME, f"{label}: results differing from the call alone", len(mismatches), 0),
     ]
 
