@@ -81,7 +81,19 @@ class RemoteMethod(RemoteCallTarget):
         target, the calls of this process's threads made together, one message per
         target (see ``dasktensor.remote._calls.Combined``).  For targets without
         ``timeout`` or affinity (``batchable``, ``solves``/``reuses`` unset), as the data
-        shards of a likelihood are."""
+        shards of a likelihood are.
+
+        Examples
+        --------
+        >>> import dasktensor as dt
+        >>> halves = [dt.RemoteModel(dict, name=f"half-{h}").method("get") for h in "ab"]
+        >>> both = RemoteMethod.combined(halves)  # both((key,)) -> [one's, other's]
+        >>> slow = dt.RemoteModel(dict, name="slow", timeout=5).method("get")
+        >>> RemoteMethod.combined([slow])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: RemoteMethod.combined expected targets without timeout or affinity, ...
+        """
         for t in targets:
             if not t.batchable or t.solves or t.reuses:
                 raise ValueError(
