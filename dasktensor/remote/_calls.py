@@ -484,6 +484,11 @@ class Combined:
 
     def __init__(self, targets: Sequence[tuple[ModelSpec, str | None]]):
         self.targets = list(targets)
+        # (a sharded function outlives a fork, a sampler's child: the child starts afresh)
+        self.forked = runtime.lock()
+        self._start()
+
+    def _start(self) -> None:
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
         self.queue: deque[_Pending] = deque()
@@ -493,9 +498,14 @@ class Combined:
         self.sending = 0
         self.present = 0
         self.last = (1, 0.0)
+        self.generation = runtime.generation  # (last: the state above is ready)
 
     def __call__(self, args: tuple) -> list:
         """The K targets' results for ``args``, in the targets' order."""
+        if self.generation != runtime.generation:
+            with self.forked:
+                if self.generation != runtime.generation:
+                    self._start()
         mine = _Pending(args)
         with self.lock:
             self.queue.append(mine)
