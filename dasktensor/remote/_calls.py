@@ -329,38 +329,31 @@ class _Pending:
         self.wake.acquire()
 
 
-class _Combiner:
-    """The calls of one batched method of one model, from this process's threads.
-
-    A thread that calls while no message of the method is out (or fewer than its
-    replicas) *leads*: it sends every call waiting in one message (``(key, method,
-    [args, ...], MANY)``), reads the one reply (probing a silent worker as any call
-    does), hands each thread its outcome, and hands the lead to the oldest call that
-    arrived meanwhile.  The worker feeds the calls to the method's batches at once, so
-    64 threads make batches of tens of rows where, a connection each, they queued on
-    the GIL of both processes (measured: batches of 1.0 row).  A lone thread sends one
-    call per message, as before.  Anything but a reply (a lost worker, a released
-    replica, an error with ``retries`` left) sends each call again alone, through
-    :func:`call`, with the usual failover."""
+class _Leaders:
+    """Calls of this process's threads queued together, sent by whichever of them leads:
+    a thread that calls while fewer than ``limit`` lead sends every call waiting (``send``,
+    up to :data:`MAX_COMBINED`), wakes each thread with its outcome, and hands the lead to
+    the oldest call that arrived meanwhile.  What :class:`_Combiner` and
+    :class:`Combined` share; they say what a round sends, and how long it waits."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.queue: deque[_Pending] = deque()
         self.leaders = 0
 
-    def call(self, spec: ModelSpec, method, args: tuple):
-        mine = _Pending(args)
-        replicas = replica_set(spec)
+    def _join(self, mine: _Pending, limit: int, send) -> None:
+        """Queue ``mine`` and return once its outcome is set (``state``)."""
         with self.lock:
             self.queue.append(mine)
-            if self.leaders < max(1, len(replicas.addresses)):
+            self._arrived()
+            if self.leaders < limit:
                 self.leaders += 1
                 mine.lead = True
         try:
             if not mine.lead:
                 mine.wake.acquire()  # the lead, or the outcome
             if mine.lead:
-                self._lead(mine, spec, method, replicas)
+                self._lead(mine, send)
             if mine.state is None:  # taken by another leader after it was handed the lead
                 mine.wake.acquire()
         except BaseException:  # interrupted while waiting (Ctrl-C): leave, lead handed on
@@ -370,9 +363,15 @@ class _Combiner:
                 if mine.lead:
                     self._hand_on(mine)
             raise
-        return _outcome(mine, spec, method)
 
-    def _lead(self, mine: _Pending, spec: ModelSpec, method, replicas) -> None:
+    def _arrived(self) -> None:
+        """A call was queued (the lock held)."""
+
+    def _more(self, n: int) -> list[_Pending]:
+        """Calls to add to a round of ``n`` before it is sent (none)."""
+        return []
+
+    def _lead(self, mine: _Pending, send) -> None:
         while True:
             with self.lock:
                 if mine.state is not None or not self.queue:
@@ -380,7 +379,8 @@ class _Combiner:
                     return  # done, or sent by another leader: its outcome comes
                 taken = [self.queue.popleft() for _ in range(min(len(self.queue), MAX_COMBINED))]
             try:
-                _send_together(spec, method, taken, replicas)
+                taken += self._more(len(taken))
+                send(taken)
             except BaseException:  # interrupted: the others run their calls alone
                 for p in taken:
                     if p.state is None:
@@ -404,6 +404,31 @@ class _Combiner:
                 _wake(waiting)
                 return
         self.leaders -= 1
+
+
+class _Combiner(_Leaders):
+    """The calls of one batched method of one model, from this process's threads.
+
+    A thread that calls while no message of the method is out (or fewer than its
+    replicas) *leads*: it sends every call waiting in one message (``(key, method,
+    [args, ...], MANY)``), reads the one reply (probing a silent worker as any call
+    does), hands each thread its outcome, and hands the lead to the oldest call that
+    arrived meanwhile.  The worker feeds the calls to the method's batches at once, so
+    64 threads make batches of tens of rows where, a connection each, they queued on
+    the GIL of both processes (measured: batches of 1.0 row).  A lone thread sends one
+    call per message, as before.  Anything but a reply (a lost worker, a released
+    replica, an error with ``retries`` left) sends each call again alone, through
+    :func:`call`, with the usual failover."""
+
+    def call(self, spec: ModelSpec, method, args: tuple):
+        mine = _Pending(args)
+        replicas = replica_set(spec)
+        self._join(
+            mine,
+            max(1, len(replicas.addresses)),
+            lambda taken: _send_together(spec, method, taken, replicas),
+        )
+        return _outcome(mine, spec, method)
 
 
 def _wake(p: _Pending) -> None:
@@ -458,7 +483,7 @@ def _outcome(p: _Pending, spec: ModelSpec, method):
     return call(spec, method, p.args, retries_left=retries)
 
 
-class Combined:
+class Combined(_Leaders):
     """The same call of several targets -- one method of each of K models, as the data
     shards of a likelihood are -- from several threads of this process, each thread with
     its own arguments (the chains of a sampler, each with its parameter vector).
@@ -489,10 +514,8 @@ class Combined:
         self._start()
 
     def _start(self) -> None:
-        self.lock = threading.Lock()
+        super().__init__()
         self.arrived = threading.Condition(self.lock)
-        self.queue: deque[_Pending] = deque()
-        self.leading = False
         #: threads in the round out now; the most present at once (sent or waiting)
         #: since the last round was sent; the last round's threads and seconds
         self.sending = 0
@@ -507,26 +530,7 @@ class Combined:
                 if self.generation != runtime.generation:
                     self._start()
         mine = _Pending(args)
-        with self.lock:
-            self.queue.append(mine)
-            self.present = max(self.present, self.sending + len(self.queue))
-            self.arrived.notify()
-            if not self.leading:
-                self.leading = mine.lead = True
-        try:
-            if not mine.lead:
-                mine.wake.acquire()  # the lead, or the outcome
-            if mine.lead:
-                self._lead(mine)
-            if mine.state is None:  # taken by the round of the leader it was handed by
-                mine.wake.acquire()
-        except BaseException:  # interrupted while waiting (Ctrl-C): leave, lead handed on
-            with self.lock:
-                if mine in self.queue:
-                    self.queue.remove(mine)
-                if mine.lead:
-                    self._hand_on(mine)
-            raise
+        self._join(mine, 1, self._send)
         if mine.state == "OK":
             return mine.value
         if mine.state == "error":
@@ -535,41 +539,9 @@ class Combined:
             raise mine.value
         return call_many([(spec, method, args) for spec, method in self.targets])
 
-    def _lead(self, mine: _Pending) -> None:
-        while True:
-            with self.lock:
-                if mine.state is not None or not self.queue:
-                    self._hand_on(mine)
-                    return  # done, or sent in another round: its outcome comes
-                taken = self._take(MAX_COMBINED)
-            try:
-                taken += self._more(len(taken))
-            except BaseException:  # interrupted while waiting: back to the queue
-                with self.lock:
-                    self.queue.extendleft(reversed(taken))
-                    self._hand_on(mine)
-                raise
-            began = time.monotonic()
-            try:
-                if len(taken) == 1:  # alone: the plain calls, as with no other thread
-                    self._alone(taken[0])
-                else:
-                    _send_rounds(self.targets, taken)
-            except BaseException:  # interrupted: the others make their calls alone
-                for p in taken:
-                    if p.state is None:
-                        p.state = "alone"
-                    if p is not mine:
-                        _wake(p)
-                with self.lock:
-                    self.sending = 0
-                    self._hand_on(mine)
-                raise
-            with self.lock:
-                self.sending, self.last = 0, (len(taken), time.monotonic() - began)
-            for p in taken:
-                if p is not mine:
-                    _wake(p)
+    def _arrived(self) -> None:
+        self.present = max(self.present, self.sending + len(self.queue))
+        self.arrived.notify()
 
     def _more(self, n: int) -> list[_Pending]:
         """Calls arriving for a round of ``n``, while it is smaller than the threads
@@ -580,30 +552,26 @@ class Combined:
             deadline = time.monotonic() + self.last[1] / 4
             while n + len(more) < expected and (left := deadline - time.monotonic()) > 0:
                 self.arrived.wait(left)
-                more += self._take(MAX_COMBINED - n - len(more))
+                room = MAX_COMBINED - n - len(more)
+                more += [self.queue.popleft() for _ in range(min(len(self.queue), room))]
             self.sending = n + len(more)
             self.present = self.sending + len(self.queue)
         return more
 
-    def _take(self, room: int) -> list[_Pending]:
-        return [self.queue.popleft() for _ in range(min(len(self.queue), room))]
-
-    def _alone(self, p: _Pending) -> None:
+    def _send(self, taken: list[_Pending]) -> None:
+        began = time.monotonic()
         try:
-            p.state, p.value = "OK", call_many([(s, m, p.args) for s, m in self.targets])
-        except Exception as e:  # (raised in its own thread, traceback and all)
-            p.state, p.value = "raise", e
-
-    def _hand_on(self, mine: _Pending) -> None:
-        """Give up the lead (with the lock held): to the oldest thread waiting to be
-        sent, or to nobody."""
-        mine.lead = False
-        for waiting in self.queue:
-            if not waiting.lead:
-                waiting.lead = True
-                _wake(waiting)
-                return
-        self.leading = False
+            if len(taken) == 1:  # alone: the plain calls, as with no other thread
+                p = taken[0]
+                try:
+                    p.state, p.value = "OK", call_many([(s, m, p.args) for s, m in self.targets])
+                except Exception as e:  # (raised in its own thread, traceback and all)
+                    p.state, p.value = "raise", e
+            else:
+                _send_rounds(self.targets, taken)
+        finally:
+            with self.lock:
+                self.sending, self.last = 0, (len(taken), time.monotonic() - began)
 
 
 def _send_rounds(targets: Sequence[tuple], taken: list[_Pending]) -> None:
