@@ -454,6 +454,13 @@ def test_a_failing_batch_of_a_combined_message_reaches_each_of_its_callers(clien
     model.close()
 
 
+def kill_the_first_writer(pidfile) -> None:
+    """SIGKILL the process that first writes its pid into ``pidfile`` (a model's batch)."""
+    while not pidfile.exists():
+        time.sleep(0.02)
+    os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
+
+
 @pytest.mark.parametrize("warm", [False, True], ids=["one-message-each", "combined"])
 def test_a_worker_killed_mid_batch_has_each_caller_retried_elsewhere(tmp_path, warm):
     from distributed import Client
@@ -469,12 +476,7 @@ def test_a_worker_killed_mid_batch_has_each_caller_retried_elsewhere(tmp_path, w
             assert combined(model, "logp_grad")
             pidfile.unlink()
 
-        def kill_the_first_batch():
-            while not pidfile.exists():
-                time.sleep(0.02)
-            os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_the_first_batch)
+        killer = threading.Thread(target=kill_the_first_writer, args=(pidfile,))
         killer.start()
         thetas = [np.array([0.1 * i, 0.0]) for i in range(12 if warm else 6)]
         out = together(lambda t: model.call("logp_grad", t), thetas, threads=len(thetas))
@@ -703,12 +705,7 @@ def test_a_worker_killed_during_a_combined_round_has_each_thread_served_elsewher
             m.start()
         both = RemoteMethod.combined([m.method("part") for m in models])
 
-        def kill_the_first_round():
-            while not pidfile.exists():
-                time.sleep(0.02)
-            os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_the_first_round)
+        killer = threading.Thread(target=kill_the_first_writer, args=(pidfile,))
         killer.start()
         thetas = [float(i) for i in range(1, 9)]
         out = together(lambda t: both((t,)), thetas, threads=len(thetas))
