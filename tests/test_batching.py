@@ -546,18 +546,21 @@ def test_copies_of_a_sharded_function_share_one_set_of_shards(client):
 def hold_shards(keys, seconds: float, dask_worker=None) -> int:
     """On a worker: take the slots of the shard stages among ``keys`` that it holds, as a
     busy evaluation would, and give each back from a thread of its own once a call waits
-    for that shard and ``seconds`` more have passed (or after a minute).  The number of
-    shards held."""
+    for that shard and ``seconds`` more have passed (or after a minute: then
+    ``held_shards`` says so).  The number of shards held."""
     import threading
 
     host = dask_worker.plugins["dasktensor-models"]
     held = [r for k, r in host.replicas.items() if k in keys]
+    dask_worker.held_shards = waited = []
 
     def give_back(replica):
         deadline = time.monotonic() + 60
         batcher = replica.batcher("run_together")
-        while not batcher.queue and time.monotonic() < deadline:
+        # a call waits for the shard: queued, or taken into a batch that waits for a slot
+        while not (batcher.queue or batcher.leaders) and time.monotonic() < deadline:
             time.sleep(0.005)
+        waited.append(bool(batcher.queue or batcher.leaders))
         time.sleep(seconds)
         for _ in range(replica.concurrency):
             replica.slots.release()
@@ -567,6 +570,12 @@ def hold_shards(keys, seconds: float, dask_worker=None) -> int:
             replica.slots.acquire()
         threading.Thread(target=give_back, args=(replica,), daemon=True).start()
     return len(held)
+
+
+def held_shards(dask_worker=None) -> list[bool]:
+    """On a worker: for each shard ``hold_shards`` held, whether a call waited for it
+    before it was given back (False: given back after the minute)."""
+    return list(getattr(dask_worker, "held_shards", []))
 
 
 def test_each_threads_sharded_result_under_coalescing_equals_the_call_alone(client):
@@ -600,6 +609,8 @@ def test_each_threads_sharded_result_under_coalescing_equals_the_call_alone(clie
                 np.testing.assert_array_equal(g, w)  # bit for bit, whatever coalesced
     sizes = [s for found in client.run(batches, began).values() for s in found]
     print(f"batches of {sorted(set(sizes))} calls")
+    # each shard was given back because the first evaluation's call waited for it
+    assert sum(client.run(held_shards).values(), []) == [True, True]
     assert sum(sizes) == 2 * 4 * 25  # each chain's calls, to both shards
     assert max(sizes) >= 3, f"the queued chains' calls did not run together: {sorted(sizes)}"
     after = sum(n for w in client.run(shard_replicas).values() for k, n in w.items() if k in keys)
