@@ -66,7 +66,7 @@ class Hosts:
         Hosts.made += 1
         tag = (os.getpid() * 7 + Hosts.made) % 10000
         self.tag = f"dt{tag}"
-        self.subnet = f"10.{200 + tag % 50}.{tag % 250}"
+        self.subnet = f"10.{200 + tag // 250}.{tag % 250}"  # a subnet per tag, not per tag % 250
         self.bridge = f"{self.tag}br"
         self.names = [f"{self.tag}h{i}" for i in range(n)]
         self.addresses = [f"{self.subnet}.{11 + i}" for i in range(n)]
