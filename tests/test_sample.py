@@ -339,40 +339,64 @@ def test_a_models_error_on_a_worker_reaches_the_caller_with_its_type(client, tmp
     assert not any(client.processing().values())  # the other chain's segments were cancelled
 
 
-def test_a_result_held_by_a_worker_that_froze_is_made_again(reference, caplog):
+def test_a_result_held_by_a_worker_that_froze_is_made_again(reference, caplog, tmp_path):
     """A segment finished on a worker that froze (SIGSTOP) before its result was
     fetched: fetching it would wait on a connection nobody answers; after
     ``silent-worker`` the segment runs again on the other worker, with the same draws."""
     settings = {"dasktensor.sample.silent-worker": "2s"}
     with cluster_with_a_bare_worker(settings) as (client, frozen):
-        (there,) = [a for a, p in client.run(os.getpid).items() if p == frozen.pid]
+        pids = client.run(os.getpid)
+        (there,) = [a for a, p in pids.items() if p == frozen.pid]
+        (other,) = [a for a in pids if a != there]
+        let_go = tmp_path / "let-go"
+
+        def hold_the_thread(marker: str) -> None:
+            """Keep the other worker's one thread until ``marker`` exists (2 min at most)."""
+            deadline = time.monotonic() + 120
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
 
         def freeze_while_the_caller_is_busy(draw, **_):
-            """While the caller records a draw (it fetches no result meanwhile), as
-            soon as the worker holds the result of another chain's segment that the
-            caller has not fetched: freeze it.  (A result fetched stays on the worker
-            until Dask releases it, later on a loaded machine: the keys on the worker
-            while a chain's draws are recorded are that chain's fetched ones.)"""
+            """From draw 20 on, the other worker's thread is held, so that the segments
+            submitted from then on run on the worker to freeze (left to Dask, a run whose
+            caller waits in this callback runs one segment at a time, on one worker that
+            may be the other one).  While the caller records a draw (it fetches no result
+            meanwhile), as soon as that worker holds the result of another chain's segment
+            that the caller has not fetched: freeze it, and let the other worker go, to
+            run that segment again.  (A result fetched stays on the worker until Dask
+            releases it, later on a loaded machine: the keys on the worker while a chain's
+            draws are recorded are that chain's fetched ones.)"""
             if stopped:
                 return
             here = set(client.has_what([there])[there])
             fetched.update(k for k in here if str(k).startswith(f"chain_{draw.chain}-"))
+            if draw.draw_idx < 20:
+                return
+            if not held:
+                held.append(client.submit(hold_the_thread, str(let_go), workers=[other],
+                                          pure=False))  # fmt: skip
+                return
             others = tuple(f"chain_{c}-" for c in range(RUN["chains"]) if c != draw.chain)
-            deadline = time.monotonic() + 3
-            while draw.draw_idx >= 20 and time.monotonic() < deadline:
+            began = time.monotonic()
+            while time.monotonic() - began < min(3, 60 - waited[0]):
                 if any(str(k).startswith(others) and k not in fetched for k in here):
                     freeze(frozen.pid)
+                    let_go.touch()
                     stopped.append(True)
                     break
                 time.sleep(0.02)
                 here = set(client.has_what([there])[there])
+            waited[0] += time.monotonic() - began
 
         fetched: set = set()
         stopped: list[bool] = []
+        held: list = []  # the future of hold_the_thread
+        waited = [0.0]  # seconds the callback waited, 60 at most in all
         with caplog.at_level(logging.INFO, logger="dasktensor.sample"), hierarchical():
             idata = dt.sample(**RUN, client=client, checkpoint_every=5,
                               callback=freeze_while_the_caller_is_busy,
                               compute_convergence_checks=False)  # fmt: skip
-        assert stopped
+        let_go.touch()
+        assert stopped, f"{there} held no unfetched result of another chain in {waited[0]:.0f} s"
     assert "result is on a worker that does not answer" in summary(caplog), summary(caplog)
     assert_same_draws(idata, reference)
