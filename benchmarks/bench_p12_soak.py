@@ -34,6 +34,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,8 +136,6 @@ def kind_of(socket: str, ports: dict[int, str], roles: dict[str, str]) -> str:
 
 def changed(before: list[str], after: list[str]) -> list[str]:
     """Sockets of each kind opened (+) and closed (-) between two lists of kinds."""
-    from collections import Counter
-
     was, now = Counter(before), Counter(after)
     return [f"+{n} {k}" for k, n in (now - was).items()] + [
         f"-{n} {k}" for k, n in (was - now).items()
@@ -259,9 +258,9 @@ def main(calls: int = 100_000, warmup: int = 100_000) -> list[Row]:
     # whose each connection is, at warm-up's end and at the end: the measured processes'
     # (samplers, workers) and this process's Dask connections
     roles = []
-    for moment, (_, here_roles) in enumerate((warm_here, end_here)):
+    for moment, (here_socks, here_roles) in enumerate((warm_here, end_here)):
         known = {s: who for who, vs in processes.items() for s in vs[moment][1]}
-        known.update({s: "this process" for s in (warm_here, end_here)[moment][0]})
+        known.update({s: "this process" for s in here_socks})
         roles.append({**known, **here_roles})
     lines, growth, moved, others_moved, most, dask_pooled = [], [], {}, 0, 0, [0, 0]
     for who, ((rss, socks), (end_rss, end_socks)) in sorted(processes.items()):
@@ -270,9 +269,8 @@ def main(calls: int = 100_000, warmup: int = 100_000) -> list[Row]:
         if kinds[0] != kinds[1]:
             moved[who] = changed(*kinds)
         if who.startswith("sampler"):  # its connections to each worker's call server
-            to = [int(s.rsplit(":", 1)[1]) for s in end_socks if "call server" in
-                  kind_of(s, ports, {})]  # fmt: skip
-            most = max([most, *(to.count(port) for port in call_ports)])
+            to = Counter(k for k in kinds[1] if k.startswith("connection to the call server"))
+            most = max([most, *to.values()])
         else:
             mine = pooled.format(who.split()[1])
             dask_pooled[0] += kinds[0].count(mine)
