@@ -138,6 +138,72 @@ def test_which_step_methods_the_workers_of_a_host_unpickle_at_once():
     assert isinstance(pickle.loads(payload), pm.NUTS)
 
 
+# unpickled here, the step method's function holds the 3.2 MB matrix as a constant, which
+# Numba says it cannot cache (PyTensor silences that warning where it compiles; pytest's
+# filters, set again for each test, come first)
+@pytest.mark.filterwarnings("ignore:Cannot cache compiled function:numba.core.errors.NumbaWarning")
+def test_a_step_method_is_sent_with_its_data_once():
+    """A regression's design matrix is in the step method's graphs as itself, as its
+    transpose and, in the signatures PyTensor compares constants by, as masked copies
+    with masks as large: pickled as before, 4 times over (15 MB for P10's 3.2 MB).  Sent
+    now, its bytes go once, and the step method makes the same steps."""
+    import cloudpickle
+    import numpy as np
+
+    from dasktensor.sampling._chains import _cloudpickled
+
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(20_000, 20))
+    with pm.Model() as model:
+        b = pm.Normal("b", 0, 1, shape=20)
+        pm.Bernoulli("y", logit_p=pm.math.dot(X, b), observed=rng.binomial(1, 0.5, 20_000))
+        step = pm.NUTS()
+        start = model.initial_point()
+    before = cloudpickle.dumps(step)
+    payload, _ = _cloudpickled(step)
+    assert len(before) > 3 * X.nbytes  # what this test is about: the data many times over
+    assert len(payload) < 1.5 * X.nbytes, f"{len(payload):,} bytes for {X.nbytes:,} of data"
+    steps = {}
+    for name, pickled in (("as before", before), ("now", payload)):
+        method, point, draws = pickle.loads(pickled), dict(start), []
+        for _ in range(5):
+            point, _stats = method.step(point)
+            draws.append(point["b"].copy())
+        steps[name] = np.array(draws)
+    np.testing.assert_array_equal(steps["now"], steps["as before"])
+
+
+def test_arrays_that_share_memory_share_it_after_the_trip():
+    """Views that span their base's memory travel as views of it; anything else (part of
+    a base, negative strides, objects, small arrays) as before; flags are kept."""
+    import numpy as np
+
+    from dasktensor.sampling._chains import _cloudpickled
+
+    base = np.arange(200_000.0).reshape(200, 1000)
+    frozen = base.T.view()
+    frozen.flags.writeable = False
+    objects = np.empty((100, 100), dtype=object)
+    objects[:] = 1.5
+    sent = (base, base.T, base.reshape(-1), frozen, base[:10], base[::-1], objects.T,
+            base[:2, :2].T)  # fmt: skip
+    payload, concurrent = _cloudpickled(sent)
+    got = pickle.loads(payload)
+    assert concurrent is False  # no compiled function in it
+    # base once, and base[::-1] as a copy; as before, base four times more
+    assert len(payload) < 2.2 * base.nbytes + objects.size * 20, f"{len(payload):,} bytes"
+    for original, copy in zip(sent, got):
+        np.testing.assert_array_equal(copy, original)
+        assert copy.dtype == original.dtype
+        assert copy.flags.writeable == original.flags.writeable
+    whole, transposed, flat, ro = got[:4]
+    assert [v.strides for v in got[:4]] == [v.strides for v in sent[:4]]
+    assert all(np.shares_memory(whole, v) for v in (transposed, flat, ro))
+    assert not np.shares_memory(whole, got[4]) and not np.shares_memory(whole, got[5])
+    transposed[0, 0] = -1.0  # as the original views: writing one writes the others
+    assert whole[0, 0] == flat[0] == ro[0, 0] == -1.0
+
+
 @pytest.mark.skipif(not _compat.PYTENSOR_3, reason="PyTensor 2's C backend takes the host lock")
 def test_workers_unpickle_a_numba_step_method_without_the_host_lock(client):
     """The host's compile lock held by this process all along: the run still ends."""

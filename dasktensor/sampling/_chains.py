@@ -474,6 +474,7 @@ def _cloudpickled(step) -> tuple[bytes, bool]:
     import io
 
     import cloudpickle
+    from pytensor.tensor.variable import TensorConstantSignature
 
     linkers: set[str] = set()
 
@@ -485,6 +486,62 @@ def _cloudpickled(step) -> tuple[bytes, bool]:
                     linkers.add(type(linker).__name__)
             return None
 
+        def reducer_override(self, obj):
+            if type(obj) is np.ndarray and obj.nbytes >= SHARED_BYTES:
+                whole = _whole_view(obj)
+                if whole is not None:
+                    return _view, whole
+            elif type(obj) is TensorConstantSignature:  # without its masked copy
+                state = {k: v for k, v in vars(obj).items() if k != "_no_nan"}
+                return _signature, (type(obj), tuple(obj), state)
+            return super().reducer_override(obj)
+
     buffer = io.BytesIO()
     Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(step)
     return buffer.getvalue(), bool(linkers) and linkers <= {"NumbaLinker"}
+
+
+#: arrays from this size on travel as views of the array that holds their memory
+SHARED_BYTES = 1 << 16
+
+
+def _whole_view(a: np.ndarray) -> tuple | None:
+    """``(base, shape, dtype, offset, strides, writeable)`` if ``a`` is a view of an
+    ndarray ``base`` that spans all of ``base``'s memory (a transpose, a reshape, a
+    constant PyTensor keeps beside the data it came from), else None.
+
+    A step method's graphs hold the model's data in such views (P10's design matrix as
+    itself and as its transpose).  Pickled as views of ``base``, which the pickle's memo
+    writes once, the data travels once, and the views share memory after unpickling as
+    before.  A view of part of its base is pickled as usual: the whole base would be more
+    to send.
+    """
+    base = a.base
+    while type(base) is np.ndarray and base.base is not None and type(base.base) is np.ndarray:
+        base = base.base
+    if type(base) is not np.ndarray or base.nbytes != a.nbytes or a.dtype.hasobject:
+        return None
+    if not base.flags.c_contiguous or min(a.strides, default=0) < 0:
+        return None
+    offset = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    return base, a.shape, a.dtype, offset, a.strides, a.flags.writeable
+
+
+def _signature(cls, items: tuple, state: dict):
+    """A PyTensor constant's signature (how equal constants are found), unpickled.
+
+    Each signature caches a masked copy of its constant (``_no_nan``, made when the
+    constant is first compared or hashed): pickled, that copy writes the data, and a
+    mask as large, once more.  It is left out, and made again when needed.
+    """
+    signature = cls(items)
+    vars(signature).update(state)
+    return signature
+
+
+def _view(base: np.ndarray, shape, dtype, offset: int, strides, writeable: bool) -> np.ndarray:
+    """The view ``_whole_view`` described, of the unpickled ``base``."""
+    view = np.ndarray(shape, dtype, buffer=base, offset=offset, strides=strides)
+    if not writeable:
+        view.flags.writeable = False
+    return view
