@@ -95,12 +95,18 @@ def test_time_sized_segments_give_pm_samples_draws(client):
 
 
 def test_the_workers_import_pymc_while_the_caller_compiles():
+    """And, where the step method's functions will be linked with Numba (PyTensor 3's
+    default), PyTensor's Numba backend: seconds of a cold worker's first unpickling."""
     from distributed import Client
 
     from dasktensor.sampling._chains import ChainRunner
 
     def imported() -> bool:
-        return "pymc" in sys.modules
+        from pytensor.compile.mode import get_default_mode
+
+        numba = type(get_default_mode().linker).__name__ == "NumbaLinker"
+        backend = "pytensor.link.numba.dispatch" in sys.modules
+        return "pymc" in sys.modules and backend == numba
 
     with local_cluster(n_workers=1) as cluster, Client(cluster, set_as_default=False) as c:
         assert not any(c.run(imported).values())

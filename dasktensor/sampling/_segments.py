@@ -16,7 +16,8 @@
   of a host at a time (PyTensor's C module cache breaks under concurrent compiles,
   pymc-devs/pymc#7819).
 * **Imports ahead.**  While PyMC compiles the step method in the caller, each worker
-  imports PyMC (:func:`prepare_worker`): a worker's first import of PyMC takes seconds.
+  imports PyMC and the linker's backend (:func:`prepare_worker`): a worker's first
+  import of them takes seconds.
 * **No profiler beside a segment.**  A Dask worker samples the stack of its running
   task every 10 ms for the dashboard's profile, under the GIL, in its event loop, and
   times its event loop every 20 ms (``tick``, 1.2 % of a core on an idle worker): beside a
@@ -181,8 +182,11 @@ def forget(token: str) -> int:
 
 
 def prepare_worker() -> bool:
-    """Import PyMC in this process now: a worker's first segment would otherwise spend
-    seconds on it, after the caller's compilation rather than during it.
+    """Import PyMC, and the backend the step method's functions will be linked with, in
+    this process now: a worker's first segment would otherwise spend seconds on them,
+    after the caller's compilation rather than during it (on PyTensor 3, importing the
+    Numba backend, PyTensor's conversions of every Op, takes 0.5-0.6 s in a process that
+    has PyMC and dasktensor already).
 
     It runs where ``client.run`` runs it, in the worker's event loop, as Dask's own
     unpickling of a segment's arguments (PyMC's objects) would import PyMC there anyway.
@@ -195,6 +199,10 @@ def prepare_worker() -> bool:
     True
     """
     import pymc  # noqa: F401
+    from pytensor.compile.mode import get_default_mode
+
+    if type(get_default_mode().linker).__name__ == "NumbaLinker":
+        import pytensor.link.numba.dispatch  # noqa: F401
 
     return True
 
