@@ -26,12 +26,17 @@ Goals (2-core machine, 4 chains on 2 workers): pm / dt >= 1.0 warm and >= 0.9 co
 The CPU seconds each variant used (its processes, the cluster's workers) are printed too:
 on a machine other jobs load, they show what a run costs where wall times wander.
 
+``--quiet-dask`` starts dt.sample's cluster with Dask's administrative intervals
+lengthened (``QUIET_DASK``: event-loop ticks, system and memory monitors, profiling off):
+what Dask's own threads cost the run on a small machine, where they share its cores with
+the chains.  PyMC's variant is unchanged.
+
 ``--fault`` adds the older P10 measurement: a worker SIGKILLed halfway through a run (the
 faulty run's draws identical to the run without fault, its extra time about a segment
 plus the worker's restart).
 
 Run: ``python benchmarks/bench_p10_chains.py [--rounds N] [--chains C] [--workers N]
-[--rows R] [--draws N] [--tune N] [--fault]``
+[--rows R] [--draws N] [--tune N] [--quiet-dask] [--fault]``
 """
 
 from __future__ import annotations
@@ -107,8 +112,18 @@ def regression(rows: int = 20_000, features: int = 20):
     return m
 
 
+#: ``--quiet-dask``: Dask's administrative intervals lengthened in dt.sample's cluster (the
+#: defaults: tick 20 ms, system monitor 500 ms, memory monitor 100 ms, profiling on)
+QUIET_DASK = {
+    "distributed.admin.tick.interval": "500ms",
+    "distributed.admin.system-monitor.interval": "2s",
+    "distributed.worker.memory.monitor-interval": "1s",
+    "distributed.worker.profile.enabled": False,
+}
+
+
 def child(variant: str, out: str, chains: int, workers: int, rows: int, draws: int,
-          tune: int) -> None:  # fmt: skip
+          tune: int, quiet_dask: bool = False) -> None:  # fmt: skip
     """In a fresh process: sample twice (cold, then warm); write times, breakdowns, draws."""
     import json
 
@@ -126,12 +141,17 @@ def child(variant: str, out: str, chains: int, workers: int, rows: int, draws: i
     m = regression(rows)
     with contextlib.ExitStack() as stack:
         client = None
+        if variant == "dt" and quiet_dask:  # the nannies pass it on to their workers
+            import dask
+
+            stack.enter_context(dask.config.set(QUIET_DASK))
         if variant == "dt":
             t0 = time.perf_counter()
             client = stack.enter_context(local_cluster(n_workers=workers))
             record["connect"] = time.perf_counter() - t0
         for case in COLD_AND_WARM:
             cpu, caller = _cpu_seconds(client), _cpu_seconds()
+            threads = _threads_split(client) if client is not None else None
             t0 = time.perf_counter()
             with m:
                 if variant == "pm":
@@ -142,6 +162,8 @@ def child(variant: str, out: str, chains: int, workers: int, rows: int, draws: i
             record[f"{case}-cpu"] = _cpu_seconds(client) - cpu
             if client is not None:
                 record[f"{case}-cpu-caller"] = _cpu_seconds() - caller
+                after = _threads_split(client)
+                record[f"{case}-threads"] = {k: after[k] - threads.get(k, 0.0) for k in after}
             if variant == "dt":
                 b = last_breakdown()
                 record[f"{case}-breakdown"] = {
@@ -170,6 +192,45 @@ def _cpu_seconds(client=None) -> float:
     return total
 
 
+#: where dt.sample's CPU went, by thread (see _threads_split)
+THREAD_KINDS = (
+    ("sampling", "workers' task threads (segments: sampling, unpickling)"),
+    ("worker-other", "workers' other threads (event loop, Dask's profiler and monitors)"),
+    ("caller-loop", "caller's event loop (scheduler, nannies, client)"),
+    ("caller-main", "caller's main thread (PyMC's setup, recording draws)"),
+)
+
+
+def _threads_split(client) -> dict[str, float]:
+    """CPU seconds so far of the threads of the workers and of this process, summed by
+    kind (``THREAD_KINDS``): a Dask worker's task threads are named
+    ``<n>-Dask-Default-Threads-...``, the event loop of a ``LocalCluster`` started here
+    (its scheduler, nannies and this client) "IO loop".  Threads that ended are not
+    counted."""
+    split = dict.fromkeys([k for k, _ in THREAD_KINDS], 0.0)
+    for threads in client.run(_thread_cpu).values():
+        for name, seconds in threads.items():
+            split["sampling" if "Dask-Default-Threads" in name else "worker-other"] += seconds
+    mine = _thread_cpu()
+    split["caller-loop"] = mine.get("IO loop", 0.0)
+    split["caller-main"] = mine.get("MainThread", 0.0)
+    return split
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's live threads, by thread name."""
+    import threading
+
+    import psutil
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    seconds: dict[str, float] = {}
+    for t in psutil.Process().threads():
+        name = names.get(t.id, "unnamed")
+        seconds[name] = seconds.get(name, 0.0) + t.user_time + t.system_time
+    return seconds
+
+
 def _process_cpu() -> float:
     import psutil
 
@@ -195,6 +256,8 @@ def _spawn(variant: str, args, scratch: str) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--child", variant, "--out", out]
     for option in ("chains", "workers", "rows", "draws", "tune"):
         command += [f"--{option}", str(getattr(args, option))]
+    if getattr(args, "quiet_dask", False):
+        command.append("--quiet-dask")
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"the {variant} process failed:\n{done.stderr[-4000:]}")
@@ -307,6 +370,11 @@ def compare(args) -> list[Row]:
             for case in COLD_AND_WARM:
                 table = records["dt"][-1][f"{case}-breakdown"]["table"]
                 print(table.replace("dt.sample:", f"[{NAME}] round {r} dt.sample {case}:"))
+                split = records["dt"][-1][f"{case}-threads"]
+                print(
+                    f"[{NAME}] round {r} dt.sample {case}, CPU s by thread: "
+                    + ", ".join(f"{label} {split[k]:.2f}" for k, label in THREAD_KINDS)
+                )
         med = {(v, c): statistics.median(x[c] for x in records[v])
                for v in records for c in COLD_AND_WARM}  # fmt: skip
         ratios = {c: [p[c] / d[c] for p, d in zip(records["pm"], records["dt"])]
@@ -345,6 +413,12 @@ def compare(args) -> list[Row]:
                     round(statistics.median(x[f"{case}-cpu"] for x in records["dt"]), 1)),
                 Row(NAME, f"CPU seconds {case}, dt's caller and scheduler alone, median",
                     round(statistics.median(x[f"{case}-cpu-caller"] for x in records["dt"]), 1)),
+            ]  # fmt: skip
+        for case in COLD_AND_WARM:
+            rows += [
+                Row(NAME, f"dt {case}: CPU s, {label}, median",
+                    round(statistics.median(x[f"{case}-threads"][k] for x in records["dt"]), 2))
+                for k, label in THREAD_KINDS
             ]  # fmt: skip
         rows += [
             Row(NAME, "connect: LocalCluster started (s), median, not in the ratio",
@@ -482,12 +556,14 @@ if __name__ == "__main__":
     parser.add_argument("--draws", type=int, default=300)
     parser.add_argument("--tune", type=int, default=300)
     parser.add_argument("--fault", action="store_true", help="also a worker killed mid-run")
+    parser.add_argument("--quiet-dask", action="store_true", help="Dask's admin intervals longer")
     parser.add_argument("--child", choices=["pm", "dt"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--no-save", action="store_true", help="do not write the results file")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.out, args.chains, args.workers, args.rows, args.draws, args.tune)
+        child(args.child, args.out, args.chains, args.workers, args.rows, args.draws, args.tune,
+              args.quiet_dask)  # fmt: skip
     else:
         rows = compare(args)
         if args.fault:

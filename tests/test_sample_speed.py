@@ -4,7 +4,8 @@ to lose none (no timing is asserted: ``benchmarks/bench_p10_chains.py`` measures
 * the breakdown of a run's wall time, printed with ``progressbar=True`` and kept for
   ``dasktensor.sampling.last_breakdown()``;
 * segments that end where tuning ends and shrink near a chain's end;
-* the workers import PyMC while the caller compiles;
+* the workers import PyMC (and PyTensor's Numba backend) while the caller compiles;
+* the step method's data sent once, views sharing memory as before;
 * workers of one host unpickle a Numba step method at once, not one after another under
   the host's compile lock (which PyTensor's C backend still needs).
 """
