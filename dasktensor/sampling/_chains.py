@@ -516,9 +516,7 @@ def _whole_view(a: np.ndarray) -> tuple | None:
     before.  A view of part of its base is pickled as usual: the whole base would be more
     to send.
     """
-    base = a.base
-    while type(base) is np.ndarray and base.base is not None and type(base.base) is np.ndarray:
-        base = base.base
+    base = a.base  # NumPy points a view of a view at the array that holds the memory
     if type(base) is not np.ndarray or base.nbytes != a.nbytes or a.dtype.hasobject:
         return None
     if not base.flags.c_contiguous or min(a.strides, default=0) < 0:
