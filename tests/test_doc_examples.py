@@ -43,10 +43,12 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
 SKIPPED: dict[str, str] = {}
 
 #: what a page's reader starts in a shell before its Python blocks (run from the repository
-#: root; stopped when the page's script ends), and the port it serves, waited for
+#: root; stopped when the page's script ends), and the port the page has it serve.  The
+#: test serves on a free port instead ("{port}" in the command, the page's ":PORT" in its
+#: script), so that two runs of the suite at once (CI's two Python lines) do not meet there
 SHELL = {
     "docs/user-guide/umbridge.md": (
-        [sys.executable, "docs/examples/decay_server.py", "4242"],
+        [sys.executable, "docs/examples/decay_server.py", "{port}"],
         4242,
     ),
 }
@@ -109,6 +111,13 @@ def _where(page: str, script: Path, output: str) -> str:
     return f"{page}, line {frames[-1]}" if frames else page
 
 
+def _free_port() -> int:
+    """A port no process listens on now (the system's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _wait_for_port(port: int, process: subprocess.Popen, page: str) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -155,6 +164,11 @@ def run_page(page: str, text: str, tmp_path: Path, timeout: float = TIMEOUT) -> 
     source = script_of(text)
     if source is None:
         return None
+    if page in SHELL:
+        command, page_port = SHELL[page]
+        port = _free_port()
+        command = [part.format(port=port) for part in command]
+        source = source.replace(f":{page_port}", f":{port}")
     script = tmp_path / (page.replace("/", "__") + ".py")
     script.write_text(source, encoding="utf-8")
     env = dict(os.environ)
@@ -167,7 +181,6 @@ def run_page(page: str, text: str, tmp_path: Path, timeout: float = TIMEOUT) -> 
     env.pop("DASK_SCHEDULER_ADDRESS", None)
     shell = None
     if page in SHELL:
-        command, port = SHELL[page]
         shell = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
         _wait_for_port(port, shell, page)
     try:

@@ -11,9 +11,13 @@ what the build needs (the packages of the docs extra), so nothing here is skippe
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import html.parser
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,16 +35,28 @@ def site(tmp_path_factory) -> Path:
     """The built site (HTML), built once for this module's tests."""
     out = tmp_path_factory.mktemp("docs") / "html"  # myst-nb writes beside it, not in docs/
     command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html"]
-    build = subprocess.run(
-        [*command, str(DOCS), str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+    with _docs_lock():
+        build = subprocess.run(
+            [*command, str(DOCS), str(out)],
+            check=False,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=600,
+        )
     assert build.returncode == 0, f"the docs build failed:\n{build.stderr}\n{build.stdout}"
     return out
+
+
+@contextlib.contextmanager
+def _docs_lock():
+    """Held while the site builds: every build of this checkout writes the API stubs into
+    the same ``docs/generated/`` (removed first), so two runs of the suite at once (CI's two
+    Python lines) take turns there."""
+    digest = hashlib.sha1(str(DOCS).encode()).hexdigest()[:12]
+    with open(Path(tempfile.gettempdir()) / f"dasktensor-docs-{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 class _Ids(html.parser.HTMLParser):
