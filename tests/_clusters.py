@@ -1,5 +1,6 @@
 """Clusters the tests share: local process clusters on loopback, a worker offering
-{"GPU": 1} beside one offering nothing, a worker without a nanny to freeze."""
+{"GPU": 1} beside one offering nothing, a worker without a nanny to freeze, a free port
+on loopback for a server a test starts."""
 
 from __future__ import annotations
 
@@ -103,6 +104,15 @@ def freeze(pid: int, seconds: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"process {pid} not stopped after {seconds} s: {states()}")
         time.sleep(0.001)
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that no process listens on now (the system's choice)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def eventually(check, seconds: float = 15.0):

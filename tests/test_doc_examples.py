@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _clusters import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -111,13 +112,6 @@ def _where(page: str, script: Path, output: str) -> str:
     return f"{page}, line {frames[-1]}" if frames else page
 
 
-def _free_port() -> int:
-    """A port no process listens on now (the system's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for_port(port: int, process: subprocess.Popen, page: str) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -166,7 +160,7 @@ def run_page(page: str, text: str, tmp_path: Path, timeout: float = TIMEOUT) -> 
         return None
     if page in SHELL:
         command, page_port = SHELL[page]
-        port = _free_port()
+        port = free_port()
         command = [part.format(port=port) for part in command]
         source = source.replace(f":{page_port}", f":{port}")
     script = tmp_path / (page.replace("/", "__") + ".py")

@@ -11,8 +11,6 @@ what the build needs (the packages of the docs extra), so nothing here is skippe
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import html.parser
 import subprocess
@@ -20,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import filelock
 import pytest
 import yaml
 
@@ -48,15 +47,12 @@ def site(tmp_path_factory) -> Path:
     return out
 
 
-@contextlib.contextmanager
-def _docs_lock():
+def _docs_lock() -> filelock.FileLock:
     """Held while the site builds: every build of this checkout writes the API stubs into
     the same ``docs/generated/`` (removed first), so two runs of the suite at once (CI's two
     Python lines) take turns there."""
     digest = hashlib.sha1(str(DOCS).encode()).hexdigest()[:12]
-    with open(Path(tempfile.gettempdir()) / f"dasktensor-docs-{digest}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        yield
+    return filelock.FileLock(Path(tempfile.gettempdir()) / f"dasktensor-docs-{digest}.lock")
 
 
 class _Ids(html.parser.HTMLParser):

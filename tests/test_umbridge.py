@@ -23,18 +23,13 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 import pytest
+from _clusters import free_port
 from pytensor.gradient import verify_grad
 
 import dasktensor as dt
 
 HERE = pathlib.Path(__file__).parent
 T = np.array([0.0, 0.5, 1.0, 2.0, 4.0])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
