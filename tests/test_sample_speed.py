@@ -235,29 +235,109 @@ def test_workers_unpickle_a_numba_step_method_without_the_host_lock(client):
 
 
 def _profiling(dask_worker=None):
-    """(whether this worker runs a chain's segment now, whether its profiler and event
-    loop probe run)."""
+    """(whether this worker runs a chain's segment now, whether its profiler runs and its
+    event loop probe at Dask's interval, whether both are as paused for segments)."""
+    import dask
+    from dask.utils import parse_timedelta
+
+    from dasktensor.sampling._segments import SLOW_TICK_MS
+
     executing = any("chain_" in str(ts.key) for ts in dask_worker.state.executing)
-    callbacks = dask_worker.periodic_callbacks
-    return executing, callbacks["profile"].is_running() and callbacks["tick"].is_running()
+    profile, tick = (dask_worker.periodic_callbacks[k] for k in ("profile", "tick"))
+    own = parse_timedelta(dask.config.get("distributed.admin.tick.interval"), "ms") * 1000
+    as_set = profile.is_running() and tick.callback_time == own
+    paused = not profile.is_running() and tick.callback_time == SLOW_TICK_MS
+    return executing, as_set, paused
 
 
 def test_the_workers_profiler_pauses_while_segments_run(client):
-    """Dask's statistical profiler (a stack sample every 10 ms, under the GIL) and event
-    loop probe are stopped while a worker runs segments, and run again once it is over."""
+    """Dask's statistical profiler (a stack sample every 10 ms, under the GIL) is stopped
+    and its event loop probe slowed while a worker runs segments, and both are as Dask
+    set them once it is over."""
     seen: list = []
 
     def look(trace, draw):
         if draw.draw_idx % 5 == 0:
             seen.extend(client.run(_profiling).values())
 
-    assert all(running for _, running in client.run(_profiling).values())
+    assert all(as_set for _, as_set, _ in client.run(_profiling).values())
     with hierarchical():
         dt.sample(**dict(RUN, chains=4), client=client, checkpoint_every=5, callback=look,
                   compute_convergence_checks=False)  # fmt: skip
-    busy = [running for executing, running in seen if executing]
-    assert busy and not all(busy), seen  # seen paused while segments ran
+    during = [paused for executing, _, paused in seen if executing]
+    assert during and sum(during) >= len(during) / 2, seen  # seen paused while segments ran
     deadline = time.monotonic() + 10
-    while not all(running for _, running in client.run(_profiling).values()):
+    while not all(as_set for _, as_set, _ in client.run(_profiling).values()):
         assert time.monotonic() < deadline, "the profiler did not start again"
         time.sleep(0.05)
+
+
+def _back_to_back(segments: int) -> list[bool]:
+    """In a worker's task: pairs of segments, the second started as soon as the first
+    ended (a queued segment) while the worker's event loop was busy; whether the
+    profiler ran during each second one."""
+    from distributed import get_worker
+
+    from dasktensor.sampling._segments import profiler_paused
+
+    worker = get_worker()
+    profile = worker.periodic_callbacks["profile"]
+    seen = []
+    for _ in range(segments):
+        with profiler_paused():
+            time.sleep(0.05)  # (the event loop pauses the profiler meanwhile)
+            worker.loop.add_callback(time.sleep, 0.1)  # and is busy as the segment ends
+        with profiler_paused():
+            time.sleep(0.2)
+            seen.append(profile.is_running())
+    return seen
+
+
+def test_a_segment_right_after_another_runs_without_the_profiler(client):
+    """The pause follows the count of running segments when the event loop applies it:
+    a segment that starts before the loop restored the profiler for the one that ended
+    must not find it restarted (it did, every time, when each segment's start decided
+    what to pause from what ran at that moment)."""
+    seen = client.submit(_back_to_back, 5, pure=False).result()
+    assert not any(seen), seen
+
+
+def _paused_for(seconds: float) -> bool:
+    """In a worker's task: what a segment of ``seconds`` does to the worker's callbacks."""
+    from dasktensor.sampling._segments import profiler_paused
+
+    with profiler_paused():
+        time.sleep(seconds)
+    time.sleep(0.3)  # the event loop probe runs again meanwhile
+    return True
+
+
+def _unresponsive(since: float, dask_worker=None) -> list[str]:
+    """Dask's "Event loop was unresponsive" messages of this worker since ``since``."""
+    return [m for t, m in getattr(dask_worker, "_dasktensor_ticks", []) if t >= since]
+
+
+def _record_ticks(dask_worker=None) -> None:
+    import logging
+
+    records = dask_worker._dasktensor_ticks = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if "unresponsive" in record.getMessage():
+                records.append((time.time(), record.getMessage()))
+
+    logger = logging.getLogger("distributed.core")
+    logger.addHandler(Keep(logging.INFO))
+    logger.setLevel(logging.INFO)
+
+
+def test_a_long_segment_is_not_reported_as_a_stalled_event_loop(client):
+    """A segment longer than Dask's ``tick.limit`` (3 s) leaves the worker's event loop
+    free all along: its probe, slowed meanwhile, must not report it as a stall (stopped,
+    its first tick after the segment did, at INFO, on every worker)."""
+    client.run(_record_ticks)
+    since = time.time()
+    worker = sorted(client.scheduler_info()["workers"])[0]
+    client.submit(_paused_for, 3.6, workers=[worker], pure=False).result()
+    assert client.run(_unresponsive, since, workers=[worker])[worker] == []

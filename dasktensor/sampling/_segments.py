@@ -22,8 +22,10 @@
   task every 10 ms for the dashboard's profile, under the GIL, in its event loop, and
   times its event loop every 20 ms (``tick``, 1.2 % of a core on an idle worker): beside a
   NUTS segment that cost the worker process several percent of CPU that PyMC's own
-  processes do not spend.  Both pause while the process runs segments (the task stream
-  still shows them) and start again when none runs (:func:`profiler_paused`).
+  processes do not spend.  While the process runs segments the profiler stops (the task
+  stream still shows them) and the probe runs once a second, often enough to report a
+  stalled event loop at Dask's ``tick.limit`` (3 s) and never to report one that was
+  not; both return to Dask's settings when no segment runs (:func:`profiler_paused`).
 * **A segment** (:func:`run_segment`) restores a chain's state into that step method and
   makes draws as PyMC's ``_iter_sample`` does (see :mod:`dasktensor.sampling._chains`).
 """
@@ -56,25 +58,33 @@ class _StepMethods(ProcessState):
         self.lock = threading.Lock()
 
 
-#: a worker's periodic callbacks that pause while it runs segments: the statistical
-#: profiler, and the event loop's latency probe
-PAUSED = ("profile", "tick")
+#: a worker's periodic callback that stops while it runs segments: the statistical profiler
+STOPPED = "profile"
+#: ...and the one that runs less often meanwhile, every SLOW_TICK_MS: the event loop's
+#: latency probe.  Stopped, its first tick after the segments measured the whole pause
+#: and logged "Event loop was unresponsive" (an INFO line of every worker, for nothing);
+#: once a second it still reports a real stall at Dask's ``tick.limit`` (3 s).
+SLOWED = "tick"
+SLOW_TICK_MS = 1000
 
 
 class _Profiler(ProcessState):
-    """On a worker: segments running now, and the periodic callbacks they paused."""
+    """On a worker: segments running now, and what the event loop changed for them."""
 
     def __init__(self):
         self.running = 0
-        self.paused: list = []
+        #: the callbacks' settings while paused, None when not: (profile was running,
+        #: the tick's own interval)
+        self.saved: tuple | None = None
         self.lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def profiler_paused():
-    """While any segment runs in this worker process, its statistical profiler and event
-    loop probe (Dask's ``profile`` and ``tick`` callbacks, ``PAUSED``) are stopped; they
-    start again when the last one ends.  Outside a worker nothing changes.
+    """While any segment runs in this worker process, its statistical profiler (Dask's
+    ``profile`` callback) is stopped and its event loop probe (``tick``) runs every
+    ``SLOW_TICK_MS``; both return to Dask's settings when the last one ends.  Outside a
+    worker nothing changes.
 
     Examples
     --------
@@ -91,25 +101,42 @@ def profiler_paused():
     state = runtime.state(_Profiler)
     with state.lock:
         state.running += 1
-        if state.running == 1:
-            callbacks = [worker.periodic_callbacks.get(name) for name in PAUSED]
-            state.paused = [c for c in callbacks if c is not None and c.is_running()]
-            for callback in state.paused:  # on the event loop, its own thread
-                worker.loop.add_callback(callback.stop)
+        if state.running == 1:  # (the event loop's own thread changes its callbacks)
+            worker.loop.add_callback(_follow, worker, state)
     try:
         yield
     finally:
         with state.lock:
             state.running -= 1
             if state.running == 0:
-                for callback in state.paused:
-                    worker.loop.add_callback(_restart, callback)
-                state.paused = []
+                worker.loop.add_callback(_follow, worker, state)
 
 
-def _restart(callback) -> None:
-    if not callback.is_running():
-        callback.start()
+def _follow(worker, state: _Profiler) -> None:
+    """On the worker's event loop: pause the callbacks if segments run now, restore them
+    if none does.  It reads the count when it runs, not when it was scheduled: a segment
+    that starts right after another ended (a queued one) finds them paused still, or
+    paused again, never left running."""
+    callbacks = worker.periodic_callbacks
+    profile, tick = callbacks.get(STOPPED), callbacks.get(SLOWED)
+    with state.lock:
+        busy, saved = state.running > 0, state.saved
+        if busy and saved is None:
+            state.saved = (
+                profile is not None and profile.is_running(),
+                tick.callback_time if tick is not None else None,
+            )
+            if state.saved[0]:
+                profile.stop()
+            if tick is not None:
+                tick.callback_time = max(tick.callback_time, SLOW_TICK_MS)
+        elif not busy and saved is not None:
+            state.saved = None
+            was_running, interval = saved
+            if was_running and not profile.is_running():
+                profile.start()
+            if interval is not None:
+                tick.callback_time = interval
 
 
 def _state() -> _StepMethods:
