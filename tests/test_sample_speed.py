@@ -312,32 +312,43 @@ def _paused_for(seconds: float) -> bool:
     return True
 
 
-def _unresponsive(since: float, dask_worker=None) -> list[str]:
-    """Dask's "Event loop was unresponsive" messages of this worker since ``since``."""
-    return [m for t, m in getattr(dask_worker, "_dasktensor_ticks", []) if t >= since]
-
-
-def _record_ticks(dask_worker=None) -> None:
+def _record_ticks(on: bool, dask_worker=None) -> list[str]:
+    """In a worker: start (``on``) or stop recording Dask's "Event loop was
+    unresponsive" messages of this worker; the messages recorded when stopping.  The
+    ``distributed.core`` logger is set to INFO meanwhile (its level restored after)."""
     import logging
 
-    records = dask_worker._dasktensor_ticks = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            if "unresponsive" in record.getMessage():
-                records.append((time.time(), record.getMessage()))
-
     logger = logging.getLogger("distributed.core")
-    logger.addHandler(Keep(logging.INFO))
-    logger.setLevel(logging.INFO)
+    if on:
+
+        class Keep(logging.Handler):
+            def __init__(self):
+                super().__init__(logging.INFO)
+                self.messages: list[str] = []
+                self.level_before = logger.level
+
+            def emit(self, record):
+                if "unresponsive" in record.getMessage():
+                    self.messages.append(record.getMessage())
+
+        dask_worker._dasktensor_ticks = keep = Keep()
+        logger.addHandler(keep)
+        logger.setLevel(logging.INFO)
+        return []
+    keep = dask_worker.__dict__.pop("_dasktensor_ticks")
+    logger.removeHandler(keep)
+    logger.setLevel(keep.level_before)
+    return keep.messages
 
 
 def test_a_long_segment_is_not_reported_as_a_stalled_event_loop(client):
     """A segment longer than Dask's ``tick.limit`` (3 s) leaves the worker's event loop
     free all along: its probe, slowed meanwhile, must not report it as a stall (stopped,
     its first tick after the segment did, at INFO, on every worker)."""
-    client.run(_record_ticks)
-    since = time.time()
     worker = sorted(client.scheduler_info()["workers"])[0]
-    client.submit(_paused_for, 3.6, workers=[worker], pure=False).result()
-    assert client.run(_unresponsive, since, workers=[worker])[worker] == []
+    client.run(_record_ticks, True, workers=[worker])
+    try:
+        client.submit(_paused_for, 3.6, workers=[worker], pure=False).result()
+    finally:
+        reported = client.run(_record_ticks, False, workers=[worker])[worker]
+    assert reported == []
