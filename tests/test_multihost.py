@@ -327,26 +327,42 @@ def test_lost_packets_delay_results_but_never_change_them(hosts, client):
 
 
 def test_a_cut_link_moves_a_shard_and_the_sums_stay_the_same():
-    """A sharded log-density with a shard on each worker host; one host's link is cut:
-    the next evaluation's call to that shard gets no answer to its probe, the shard is
-    built again on the other host from the caller's rows, and the sums are unchanged."""
+    """A sharded log-density with a shard on each worker host; one host's link is cut
+    while a background refresh of the shards' replicas asks that host through Dask (its
+    probe answered just before): the next evaluation's call to that shard gets no answer
+    to its probe, the shard is built again on the other host from the caller's rows
+    without waiting for the refresh, and the sums are unchanged."""
+    import dask
     from distributed import Client
 
-    with Hosts(3) as hosts:
+    with Hosts(3) as hosts, dask.config.set({"dasktensor.remote.refresh-interval": "1s"}):
         address = start_cluster(hosts)
         with Client(address, timeout=60, set_as_default=False) as client:
             client.wait_for_workers(2, timeout=120)
+            (cut,) = [a for a in scheduler_workers(client)
+                      if host_of(a) == hosts.addresses[1]]  # fmt: skip
             f, ref = sharded_regression(client)
             points = [np.array([0.3, -0.2, 0.1]) * k for k in (1.0, 0.5, -1.0)]
             for got, want in zip(f(points[0]), ref(points[0])):
                 np.testing.assert_allclose(got, want, rtol=1e-10)
+            # The cut host's event loop busy for a while (its call server, a thread of
+            # its own, still answers probes): the refresh that the next evaluation starts
+            # (the last look is a refresh-interval old) asks it through Dask and waits,
+            # and the link is cut before it answers.
+            client.run(lambda dask_worker: dask_worker.loop.add_callback(time.sleep, 4),
+                       workers=[cut])  # fmt: skip
+            time.sleep(1.2)
+            f(points[0])
+            time.sleep(0.5)
+            refreshing = [t for t in threading.enumerate() if t.name == "dasktensor-refresh"]
+            assert refreshing, "no refresh was waiting on the cut host"
             hosts.cut(1)
             t0 = time.monotonic()
             for got, want in zip(f(points[1]), ref(points[1])):
                 np.testing.assert_allclose(got, want, rtol=1e-10)
             took = time.monotonic() - t0
             print(f"cut link: the evaluation that moved a shard took {took:.2f} s")
-            assert took < 15, took  # a probe (1.5 s) and a build, not Dask's 30 s
+            assert took < 15, took  # probes (1.5 s) and a build, not Dask's 30 s
             for got, want in zip(f(points[2]), ref(points[2])):
                 np.testing.assert_allclose(got, want, rtol=1e-10)
 

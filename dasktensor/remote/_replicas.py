@@ -80,8 +80,9 @@ class ReplicaSet:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         self.lock = threading.Lock()
-        # One look-and-build at a time: a call's rebuild and a background refresh that
-        # both found a replica missing would otherwise build it twice.
+        # One build at a time (looks go on meanwhile, see _find_or_build): a call's
+        # rebuild and a background refresh that both found a replica missing would
+        # otherwise build it twice.
         self.building = threading.Lock()
         self.addresses: list[str] = []  # sorted: the same order in every process
         self.endpoints: dict[str, tuple] = {}  # address -> its call server (host, port, tls)
@@ -218,11 +219,33 @@ class ReplicaSet:
         self.addresses = sorted(found)
 
     def _find_or_build(self, client) -> dict[str, tuple]:
-        """The replicas' workers and their call servers, ``{address: endpoint}``."""
-        with self.building:
-            return self._find_or_build_alone(client)
+        """The replicas' workers and their call servers, ``{address: endpoint}``.
 
-    def _find_or_build_alone(self, client, tries: int = 3) -> dict[str, tuple]:
+        Looking takes no lock: a worker can fall silent between its probe and the
+        question then asked through Dask (:func:`_endpoints`), which waits for Dask's
+        connect timeout (30 s); a background refresh caught so must not hold up a call
+        that needs the replica it lost built elsewhere meanwhile (it held this look's
+        lock, and a cut link's evaluation took 25-32 s instead of 2.5).  Builds take
+        turns (``self.building``), and each asks again first: a call's rebuild and a
+        refresh that both found a replica missing would otherwise build it twice."""
+        workers, eligible = self._look(client)
+        held = _endpoints(client, self.spec.key, eligible)
+        if len(held) < self._wanted(eligible):
+            with self.building:
+                held = self._build_missing(client, workers, eligible)
+        if self.spec.shared:  # replicas another process built: this process's lease keeps them too
+            found = [a for a in held if a not in self.leased]
+            share(self.spec, client, found)
+            self.leased.update(found)
+        return held
+
+    def _wanted(self, eligible: list[str]) -> int:
+        replicas = self.spec.replicas
+        return len(eligible) if replicas is None else min(replicas, len(eligible))
+
+    def _look(self, client) -> tuple[dict[str, dict], list[str]]:
+        """The workers that answer a probe (``{address: the scheduler's info}``) and,
+        among them, those the model may be built on."""
         spec = self.spec
         if lost_scheduler(client):  # asking it would wait for the client to reconnect
             raise SchedulerLostError(
@@ -256,9 +279,17 @@ class ReplicaSet:
                 f"{spec!r}: expected workers to build the model on, the cluster at "
                 f"{client.scheduler.address} has none; start some (`dask worker ADDRESS`)"
             )
-        held = _endpoints(client, spec.key, eligible)
+        return workers, eligible
+
+    def _build_missing(
+        self, client, workers: dict[str, dict], eligible: list[str], tries: int = 3
+    ) -> dict[str, tuple]:
+        """Build the replicas ``eligible`` lacks (called with ``self.building`` held); the
+        holders and their call servers."""
+        spec = self.spec
+        held = _endpoints(client, spec.key, eligible)  # (another look may have built them)
         holders = list(held)
-        wanted = len(eligible) if spec.replicas is None else min(spec.replicas, len(eligible))
+        wanted = self._wanted(eligible)
         if len(holders) < wanted:
             free = [a for a in eligible if a not in holders]
             targets = _in_order(spec, free, workers)[: wanted - len(holders)]
@@ -302,15 +333,12 @@ class ReplicaSet:
                 why = memory_restart(client, {a: workers[a] for a in targets}, started - 5)
                 if not why and tries > 1:  # the workers left (a worker killed a moment
                     # before, still listed and answering when they were chosen): others
-                    return self._find_or_build_alone(client, tries - 1)
+                    workers, eligible = self._look(client)
+                    return self._build_missing(client, workers, eligible, tries - 1)
                 raise RemoteModelError(
                     f"{spec!r}: expected replicas on {targets}, none was built: "
                     + (f"{why}" if why else "the workers left while building it (see their logs)")
                 )
-        if spec.shared:  # replicas another process built: this process's lease keeps them too
-            found = [a for a in held if a not in self.leased]
-            share(spec, client, found)
-            self.leased.update(found)
         return held
 
 
