@@ -224,10 +224,10 @@ class ReplicaSet:
         Looking takes no lock: a worker can fall silent between its probe and the
         question then asked through Dask (:func:`_endpoints`), which waits for Dask's
         connect timeout (30 s); a background refresh caught so must not hold up a call
-        that needs the replica it lost built elsewhere meanwhile (it held this look's
-        lock, and a cut link's evaluation took 25-32 s instead of 2.5).  Builds take
-        turns (``self.building``), and each asks again first: a call's rebuild and a
-        refresh that both found a replica missing would otherwise build it twice."""
+        that needs the replica it lost built elsewhere meanwhile (when looks took the
+        builds' lock, a cut link's evaluation took 25-32 s instead of 2.5).  Builds
+        take turns (``self.building``), and each asks again first: a call's rebuild and
+        a refresh that both found a replica missing would otherwise build it twice."""
         workers, eligible = self._look(client)
         held = _endpoints(client, self.spec.key, eligible)
         if len(held) < self._wanted(eligible):
