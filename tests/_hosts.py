@@ -18,14 +18,17 @@ CAP_NET_ADMIN (root): :func:`unavailable` says why not, for a skip.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 DASK = str(Path(sys.executable).with_name("dask"))
 
@@ -64,7 +67,7 @@ class Hosts:
 
     def __init__(self, n: int):
         Hosts.made += 1
-        tag = (os.getpid() * 7 + Hosts.made) % 10000
+        tag, self.claim = _claim_tag((os.getpid() * 7 + Hosts.made) % TAGS)
         self.tag = f"dt{tag}"
         self.subnet = f"10.{200 + tag // 250}.{tag % 250}"  # a subnet per tag, not per tag % 250
         self.bridge = f"{self.tag}br"
@@ -95,7 +98,8 @@ class Hosts:
             self.run(i, "ip", "route", "add", "default", "via", f"{self.subnet}.1")
 
     def _remove_leftovers(self) -> None:
-        """A run killed before its cleanup leaves namespaces and veth peers behind."""
+        """A run killed before its cleanup leaves namespaces and veth peers behind (the
+        tag is this process's now, see :func:`_claim_tag`: no live run's)."""
         for name in self.names:
             _ip("netns", "del", name, check=False)
         for i in range(len(self.names)):
@@ -198,12 +202,40 @@ class Hosts:
         self._remove_leftovers()
         for log in self.logs:
             log.unlink(missing_ok=True)
+        self.claim.close()  # the tag is free again
 
     def __enter__(self) -> Hosts:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+#: tags, hence subnets 10.200.0-10.239.249 and names dt0-dt9999
+TAGS = 10000
+
+
+def _claim_tag(first: int) -> tuple[int, IO]:
+    """A tag no live process uses, from ``first`` on, and the open lock file that holds it
+    for this process until closed (a lock the kernel lets go when the process dies).
+
+    Two test runs at once (``.ci/run`` runs the two lines' suites together) once drew
+    the same tag from their PIDs: the second removed the first's namespaces as
+    leftovers, and a client of the first reconnected to the second's scheduler at the
+    same address.  A tag whose lock this process takes is free: any namespaces of its
+    name are a killed run's."""
+    directory = Path(tempfile.gettempdir()) / "dasktensor-hosts"
+    directory.mkdir(exist_ok=True)
+    for step in range(TAGS):
+        tag = (first + step) % TAGS
+        claim = open(directory / f"{tag}.lock", "a")  # held until the Hosts closes
+        try:
+            fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a live run holds it
+            claim.close()
+            continue
+        return tag, claim
+    raise RuntimeError(f"all {TAGS} host tags are held by live test runs")
 
 
 def _wait_for_port(host: str, port: int, hosts: Hosts, seconds: float = 60) -> None:

@@ -81,6 +81,32 @@ def sharded_regression(client):
     return f, model.logp_dlogp_function(ravel_inputs=True)._pytensor_function
 
 
+def test_two_runs_at_once_never_share_hosts():
+    """A host tag (names and subnet) that another live process holds is not taken, even
+    where this process's PID points at it: two runs at once (``.ci/run`` runs both lines'
+    suites together) once drew the same one, and the second removed the first's hosts
+    as leftovers.  A holder that ended frees its tag."""
+    from _hosts import _claim_tag
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "from _hosts import _claim_tag; import sys; "
+         "tag, claim = _claim_tag(1234); print(tag, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=os.path.dirname(__file__),
+    )  # fmt: skip
+    try:
+        taken = int(holder.stdout.readline())
+        mine, claim = _claim_tag(taken)
+        claim.close()
+        assert mine != taken
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    again, claim = _claim_tag(taken)
+    claim.close()
+    assert again == taken
+
+
 def test_the_workers_are_on_their_own_hosts(hosts, client):
     workers = sorted(host_of(a) for a in scheduler_workers(client))
     assert workers == hosts.addresses[1:]
