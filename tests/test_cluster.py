@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 import dask
 import numpy as np
@@ -340,3 +342,45 @@ def test_the_malloc_setting_gives_the_embedded_workers_dasks_threshold_or_refuse
     with dask.config.set({"dasktensor.cluster.malloc-trim-threshold": "lots"}):
         with pytest.raises(ValueError, match=r"malloc-trim-threshold expected null .* got 'lots'"):
             dt.connect(n_workers=1, dashboard_address=False, set_as_default=False)
+
+
+# A lock and a signal shared by two tasks of one in-process worker (module globals: the
+# tasks' functions travel by reference and find them here).
+_HELD = threading.Lock()
+_SECEDED = threading.Event()
+
+
+def _holder() -> str:
+    from dasktensor.cluster import holding, task_slot_released
+
+    with holding(_HELD), task_slot_released():  # as a segment building shards
+        _SECEDED.set()
+        time.sleep(1.0)  # the other task gets the slot this one left meanwhile
+    return "holder"
+
+
+def _waiter() -> str:
+    from dasktensor.cluster import holding
+
+    _SECEDED.wait(30)
+    with holding(_HELD):  # a plain `with _HELD:` here waits for ever
+        return "waiter"
+
+
+def test_a_task_waiting_for_a_lock_leaves_its_slot_to_the_holder():
+    """Two tasks on a worker with one thread: the first holds a lock and leaves its slot
+    to wait (as a segment building shards), the second takes that slot and waits for the
+    lock; the first needs a slot back to go on (``rejoin``).  ``holding`` makes the
+    waiter leave the slot while it waits, so both end."""
+    from distributed import Client, LocalCluster
+
+    _SECEDED.clear()
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,  # fmt: skip
+        Client(cluster, set_as_default=False) as client,
+    ):
+        first = client.submit(_holder, pure=False)
+        second = client.submit(_waiter, pure=False)
+        assert [first.result(timeout=60), second.result(timeout=60)] == ["holder", "waiter"]

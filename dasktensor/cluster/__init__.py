@@ -66,6 +66,7 @@ from dasktensor.cluster._info import WorkerInfo as WorkerInfo
 from dasktensor.cluster._info import info as info
 from dasktensor.cluster._nanny import Nanny as Nanny
 from dasktensor.cluster._submit import carrying as carrying
+from dasktensor.cluster._submit import holding as holding
 from dasktensor.cluster._submit import submit as submit
 from dasktensor.cluster._submit import task_slot_released as task_slot_released
 from dasktensor.cluster._workers import check_resources as check_resources
@@ -94,6 +95,7 @@ __all__ = [
     "default_client",
     "find_devices",
     "gpu_worker_options",
+    "holding",
     "info",
     "is_client",
     "lost_scheduler",

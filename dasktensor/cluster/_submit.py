@@ -97,3 +97,22 @@ def task_slot_released():
 
 
 _seceded = threading.local()
+
+
+@contextlib.contextmanager
+def holding(lock):
+    """``with lock``, except that a thread running a Dask task that has to wait for the
+    lock leaves its worker's thread pool while it waits (:func:`task_slot_released`).
+
+    The holder may be another task of the same worker process that left its slot to
+    wait for builds and needs a slot back to go on (``rejoin`` waits for one): a task
+    blocked on the lock in the only slot would wait for it for ever.  Uncontended, it
+    costs what ``with lock`` does.
+    """
+    if not lock.acquire(blocking=False):
+        with task_slot_released():
+            lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()

@@ -57,7 +57,7 @@ from pytensor.compile.sharedvalue import SharedVariable
 
 from dasktensor import _config
 from dasktensor._runtime import ProcessState, runtime
-from dasktensor.cluster import SchedulerRef, scheduler_workers, task_slot_released
+from dasktensor.cluster import SchedulerRef, holding, scheduler_workers, task_slot_released
 from dasktensor.engine import TaskRunner
 from dasktensor.engine import release_in_background as release_stages
 from dasktensor.remote import RemoteMethod, RemoteModel
@@ -360,7 +360,9 @@ def shared_stages(
     hashed = time.perf_counter() - t0
     key = (address, token)
     state = runtime.state(_SharedStages)
-    with state.lock:  # one build for copies asking at once
+    # one build for copies asking at once; a segment waiting for another segment's build
+    # in this worker leaves its thread slot, which the builder needs back (see holding)
+    with holding(state.lock):
         found = state.stages.get(key)
         if found is None:
             found = ShardStages(split, data, client, k, workers, token, warm)
