@@ -108,6 +108,16 @@ def holding(lock):
     wait for builds and needs a slot back to go on (``rejoin`` waits for one): a task
     blocked on the lock in the only slot would wait for it for ever.  Uncontended, it
     costs what ``with lock`` does.
+
+    Examples
+    --------
+    >>> import threading
+    >>> lock = threading.Lock()
+    >>> with holding(lock):  # outside a task: as ``with lock``
+    ...     lock.locked()
+    True
+    >>> lock.locked()
+    False
     """
     if not lock.acquire(blocking=False):
         with task_slot_released():
