@@ -18,7 +18,6 @@ CAP_NET_ADMIN (root): :func:`unavailable` says why not, for a skip.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
@@ -28,7 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO
+
+import filelock
 
 DASK = str(Path(sys.executable).with_name("dask"))
 
@@ -202,7 +202,7 @@ class Hosts:
         self._remove_leftovers()
         for log in self.logs:
             log.unlink(missing_ok=True)
-        self.claim.close()  # the tag is free again
+        self.claim.release()  # the tag is free again
 
     def __enter__(self) -> Hosts:
         return self
@@ -215,9 +215,9 @@ class Hosts:
 TAGS = 10000
 
 
-def _claim_tag(first: int) -> tuple[int, IO]:
-    """A tag no live process uses, from ``first`` on, and the open lock file that holds it
-    for this process until closed (a lock the kernel lets go when the process dies).
+def _claim_tag(first: int) -> tuple[int, filelock.FileLock]:
+    """A tag no live process uses, from ``first`` on, and the file lock that holds it for
+    this process until released (a lock the kernel lets go when the process dies).
 
     Two test runs at once (``.ci/run`` runs the two lines' suites together) once drew
     the same tag from their PIDs: the second removed the first's namespaces as
@@ -228,11 +228,10 @@ def _claim_tag(first: int) -> tuple[int, IO]:
     directory.mkdir(exist_ok=True)
     for step in range(TAGS):
         tag = (first + step) % TAGS
-        claim = open(directory / f"{tag}.lock", "a")  # held until the Hosts closes
+        claim = filelock.FileLock(directory / f"{tag}.lock")  # held until the Hosts closes
         try:
-            fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # a live run holds it
-            claim.close()
+            claim.acquire(timeout=0)
+        except filelock.Timeout:  # a live run holds it
             continue
         return tag, claim
     raise RuntimeError(f"all {TAGS} host tags are held by live test runs")

@@ -378,7 +378,7 @@ def test_a_task_waiting_for_a_lock_leaves_its_slot_to_the_holder():
     with (
         LocalCluster(
             n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,  # fmt: skip
+        ) as cluster,
         Client(cluster, set_as_default=False) as client,
     ):
         first = client.submit(_holder, pure=False)

@@ -97,13 +97,13 @@ def test_two_runs_at_once_never_share_hosts():
     try:
         taken = int(holder.stdout.readline())
         mine, claim = _claim_tag(taken)
-        claim.close()
+        claim.release()
         assert mine != taken
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
     again, claim = _claim_tag(taken)
-    claim.close()
+    claim.release()
     assert again == taken
 
 
